@@ -1,0 +1,1 @@
+"""Benchmarks for the serving stack and for any OpenAI-compatible server."""

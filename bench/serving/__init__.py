@@ -1,0 +1,1 @@
+"""Building blocks of the serving benchmark client (`python -m bench.serve`)."""

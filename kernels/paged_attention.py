@@ -1,0 +1,401 @@
+"""Causal attention of packed queries over a paged KV cache (decode and extend/prefill).
+
+Request i's keys and values live in cache blocks named by its row of the block table:
+
+    block_tables[i] = [ 7,  2,  9,  x,  x ]        (x: padding, never read)
+                        |   |   |
+    k_cache[7]  tokens  0 .. B-1
+    k_cache[2]  tokens  B .. 2B-1
+    k_cache[9]  tokens 2B .. seq_lens[i]-1, rest of the block unused
+
+    token t -> k_cache[block_tables[i, t // B], t % B]          (B = block_size)
+
+The q_len queries of request i are its last q_len positions, so query j sits at position
+seq_lens[i] - q_len + j and sees keys 0 .. that position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _triton
+from kernels._triton import jit, tl
+
+# Split-K decode: one program per (request, kv head, partition of the context) so that a
+# few long requests still occupy every SM; a second kernel merges the partitions.
+PARTITION_SIZE = 512
+# Longer contexts get longer partitions rather than a partials buffer that grows with them.
+MAX_PARTITIONS = 64
+_LOG2E = 1.4426950408889634
+
+
+@jit
+def _decode_partition_kernel(
+    out_ptr, max_ptr, sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale,
+    stride_out_r, stride_out_h, stride_out_p, stride_stats_r, stride_stats_h,
+    stride_q_t, stride_q_h,
+    stride_kc_b, stride_kc_t, stride_kc_h, stride_vc_b, stride_vc_t, stride_vc_h,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr,
+    STORE_STATS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = part * PARTITION
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * QUERIES_PER_KV + offs_g
+    g_mask = offs_g < QUERIES_PER_KV
+    d_mask = offs_d < HEAD_DIM
+    # decode: request i's single query is row i of q
+    q = tl.load(
+        q_ptr + req * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + req * stride_bt
+    for start_n in range(start, end, TILE_N):
+        offs_n = start_n + tl.arange(0, TILE_N)
+        n_mask = offs_n < end
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k_offs = block_ids * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h
+        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE_N], log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offs = block_ids * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    out_offs = req * stride_out_r + heads[:, None] * stride_out_h + part * stride_out_p + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if STORE_STATS:
+        stats_offs = req * stride_stats_r + heads * stride_stats_h + part
+        tl.store(max_ptr + stats_offs, m_i, mask=g_mask)
+        tl.store(sum_ptr + stats_offs, l_i, mask=g_mask)
+
+
+@jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, max_ptr, sum_ptr, seq_lens_ptr,
+    stride_out_t, stride_out_h, stride_part_r, stride_part_h, stride_part_p, stride_stats_r, stride_stats_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + req), PARTITION)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    stats = req * stride_stats_r + head * stride_stats_h
+    parts = part_out_ptr + req * stride_part_r + head * stride_part_h + offs_d
+    m_total = tl.load(max_ptr + stats)
+    l_total = tl.load(sum_ptr + stats)
+    acc = tl.load(parts, mask=d_mask, other=0.0) * l_total  # [BLOCK_D], unnormalised
+    for part in range(1, num_parts):
+        m = tl.load(max_ptr + stats + part)
+        l = tl.load(sum_ptr + stats + part)
+        m_new = tl.maximum(m_total, m)
+        old_scale = tl.exp2(m_total - m_new)
+        new_scale = tl.exp2(m - m_new) * l
+        acc = acc * old_scale + tl.load(parts + part * stride_part_p, mask=d_mask, other=0.0) * new_scale
+        l_total = l_total * old_scale + new_scale
+        m_total = m_new
+    out = acc / l_total
+    tl.store(out_ptr + req * stride_out_t + head * stride_out_h + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@jit
+def _extend_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale,
+    stride_out_t, stride_out_h, stride_q_t, stride_q_h,
+    stride_kc_b, stride_kc_t, stride_kc_h, stride_vc_b, stride_vc_t, stride_vc_h,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+    kv_head = head // QUERIES_PER_KV
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    q_pos = context_len + offs_m
+    # the last query of this tile sees nothing past its own position
+    kv_end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + req * stride_bt
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k_offs = block_ids * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h
+        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        # key 0 is visible to every row, so no row is all -inf after the first tile
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offs = block_ids * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h
+        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    out_offs = q_rows[:, None] * stride_out_t + head * stride_out_h + offs_d[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _check_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"q/k_cache/v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    num_reqs = seq_lens.shape[0]
+    for name, t, shape in (
+        ("seq_lens", seq_lens, (num_reqs,)),
+        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+        ("block_tables", block_tables, (num_reqs, block_tables.shape[-1])),
+    ):
+        if t.dtype != torch.int32 or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be int32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be at least 1, got {max_query_len}")
+    if max_query_len == 1 and num_tokens != num_reqs:
+        raise ValueError(f"a decode batch (max_query_len 1) needs one query per request: {num_tokens} != {num_reqs}")
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Copy the first `num_keys` tokens of each row's blocks: [rows, num_kv_heads, num_keys, head_dim]."""
+    num_blocks = _triton.cdiv(num_keys, cache.shape[1])
+    kv = cache[block_tables[:, :num_blocks]]  # [rows, num_blocks, block_size, num_kv_heads, head_dim]
+    return kv.flatten(1, 2)[:, :num_keys].transpose(1, 2)
+
+
+def _decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    max_len = int(seq_lens.max())
+    block_size = k_cache.shape[1]
+    num_blocks = _triton.cdiv(max_len, block_size)
+    # padding entries may hold anything; point them at block 0 so the gather stays in range
+    blocks_used = (seq_lens + block_size - 1) // block_size  # [num_reqs]
+    block_in_use = torch.arange(num_blocks, device=q.device)[None, :] < blocks_used[:, None]
+    table = torch.where(block_in_use, block_tables[:, :num_blocks], 0)
+    k = _gather_kv(k_cache, table, max_len)  # [num_reqs, num_kv_heads, max_len, head_dim]
+    v = _gather_kv(v_cache, table, max_len)
+    query = q[:, :, None, :]  # [num_reqs, num_heads, 1, head_dim]
+    gqa = q.shape[1] != k_cache.shape[2]
+    if int(seq_lens.min()) == max_len:
+        # HF's own decode call (no mask), so equal-length batches match it bit for bit
+        out = F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=gqa)
+    else:
+        valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [num_reqs, max_len]
+        # slots past a request's end may never have been written (NaN); a masked score still
+        # multiplies its value, so zero them
+        k.masked_fill_(~valid[:, None, :, None], 0.0)
+        v.masked_fill_(~valid[:, None, :, None], 0.0)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=gqa)
+    return out.squeeze(2)  # [num_reqs, num_heads, head_dim]
+
+
+def _extend_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    gqa = q.shape[1] != k_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # [1, num_kv_heads, seq_len, head_dim]
+        v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len)
+        query = q[q_start:q_end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+        if q_len == 1 or q_len == seq_len:
+            # HF's calls for a decode step and a fresh prompt, so those match it bit for bit
+            o = F.scaled_dot_product_attention(query, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=gqa)
+        else:
+            # bottom-right aligned: query j sits at position seq_len - q_len + j
+            key_pos = torch.arange(seq_len, device=q.device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+            o = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[q_start:q_end] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+) -> torch.Tensor:
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if max_query_len == 1:
+        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 stays fp32: tf32 would cost the ~1e-5 agreement with the reference
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _decode_triton(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, partition_size: int,
+) -> None:
+    num_reqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    partition = max(partition_size, _triton.next_power_of_2(_triton.cdiv(max_context, MAX_PARTITIONS)))
+    num_parts = _triton.cdiv(max_context, partition)
+    meta = dict(
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim,
+        BLOCK_G=max(16, _triton.next_power_of_2(queries_per_kv)), BLOCK_D=max(16, _triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size, TILE_N=64, PARTITION=partition, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    grid = (num_reqs, num_kv_heads, num_parts)
+    common = (
+        q, k_cache, v_cache, block_tables, seq_lens, scale * _LOG2E,
+    )
+    strides = (q.stride(0), q.stride(1), *_cache_strides(k_cache, v_cache), block_tables.stride(0))
+    if num_parts == 1:
+        # one partition is already the answer: write it straight to `out`
+        _triton.launch(
+            _decode_partition_kernel, grid, out, out, out, *common,
+            out.stride(0), out.stride(1), 0, 0, 0, *strides, STORE_STATS=False, **meta,
+        )
+        return
+    part_out = torch.empty((num_reqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((num_reqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    _triton.launch(
+        _decode_partition_kernel, grid, part_out, part_max, part_sum, *common,
+        *part_out.stride()[:3], *part_max.stride()[:2], *strides, STORE_STATS=True, **meta,
+    )
+    _triton.launch(
+        _decode_reduce_kernel, (num_reqs, num_heads),
+        out, part_out, part_max, part_sum, seq_lens,
+        out.stride(0), out.stride(1), *part_out.stride()[:3], *part_max.stride()[:2],
+        HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], PARTITION=partition, num_warps=1,
+    )
+
+
+def _extend_triton(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_reqs = seq_lens.shape[0]
+    block_d = max(16, _triton.next_power_of_2(head_dim))
+    # fp32 tiles take twice the shared memory: halve the query tile to stay within Hopper's 227 KiB
+    block_m = 128 if q.element_size() <= 2 and block_d <= 128 else 64
+    _triton.launch(
+        _extend_kernel, (num_reqs, num_heads, _triton.cdiv(max_query_len, block_m)),
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale * _LOG2E,
+        out.stride(0), out.stride(1), q.stride(0), q.stride(1), *_cache_strides(k_cache, v_cache),
+        block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=8 if block_m == 128 else 4, num_stages=2,
+    )
+
+
+def paged_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    partition_size: int = PARTITION_SIZE,
+) -> torch.Tensor:
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
+    if partition_size < 64 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 64, got {partition_size}")
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    if max_query_len == 1:
+        _decode_triton(out, q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size)
+    else:
+        _extend_triton(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+) -> torch.Tensor:
+    """Causal attention for packed queries q [num_tokens, num_heads, head_dim] over a paged cache.
+
+    Request i owns q rows query_start_loc[i]:query_start_loc[i+1], the last positions of its
+    seq_lens[i] tokens, whose K/V must already be in the cache. `max_query_len` (host int) is
+    the longest of those row ranges; 1 selects the decode path. Returns [num_tokens,
+    num_heads, head_dim] in q's dtype. On CPU, equal-length decode batches and fresh prompts
+    match Hugging Face's SDPA attention bit for bit; mixed-length decode batches agree to
+    float rounding (padding changes SDPA's vector tails).
+    """
+    if q.is_cuda:
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)

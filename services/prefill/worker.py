@@ -1,0 +1,401 @@
+"""Prefill worker: prompts in from the requests stream, first tokens out to the gateways, KV out
+to a decode worker.
+
+    requests --(group "prefill")--> engine (stop_after_prefill) --first token--> replies:<gateway>
+                                           |
+                    own inbox <-- HandoffAccept <-- decode inbox <-- HandoffOffer
+                                           |
+                    KV bytes (connector) + KVReady --> decode inbox; release; XACK
+
+A request's entry is acknowledged only once it finished here or its handoff is complete, so the
+entries of a worker that dies stay pending and another prefill worker claims them (reclaim.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from shared.engine.engine import InvalidRequestError, RequestOutput
+from shared.engine.sampling_params import SamplingParamsError
+from shared.protocol import (
+    Cancel,
+    GenerateRequest,
+    HandoffAccept,
+    HandoffOffer,
+    KVReady,
+    Message,
+    TokenBatch,
+    TokenUpdate,
+)
+from shared.settings import WorkerServiceSettings
+from shared.streams import INBOX_GROUP, PREFILL_GROUP, REDIS_ERRORS, with_backoff
+from services.kv_connector import RedisKVConnector
+from services.prefill.placement import AcceptBoard, DecodePicker
+from services.prefill.reclaim import Reclaimer
+from services.worker_base import Worker, token_update
+
+logger = logging.getLogger(__name__)
+
+INTAKE_BATCH = 4  # entries per read: small, so that idle prefill workers share a burst
+MAX_REMEMBERED_HANDOFFS = 4096
+MIB = 2**20
+
+
+@dataclass(slots=True, eq=False)
+class Tracked:
+    """A request this worker has read and not yet acknowledged."""
+
+    msg: GenerateRequest
+    entry_id: bytes
+    arrived_at: float  # unix time it entered the requests stream
+    prefilled_at: float | None = None  # monotonic
+    decode_id: str | None = None  # the decode worker that reserved blocks for it
+    cancelled: bool = False
+    handoff: asyncio.Task[None] | None = None
+
+    @property
+    def req_id(self) -> str:
+        return self.msg.req_id
+
+    @property
+    def first_index(self) -> int:
+        """Output position of the token this worker samples: a re-run continues after the streamed tokens."""
+        return len(self.msg.output_token_ids)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.msg.prompt_token_ids) + len(self.msg.output_token_ids)
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+
+    def __init__(self, settings: WorkerServiceSettings) -> None:
+        super().__init__(settings)
+        cfg = settings.worker
+        self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=cfg.handoff_timeout_s * 3)
+        self.picker = DecodePicker(self.bus)
+        self.accepts = AcceptBoard()
+        self.reclaimer = Reclaimer(self.bus, self.worker_id, min_idle_s=cfg.heartbeat_ttl_s)
+        self._tracked: dict[str, Tracked] = {}
+        self._admitting: set[bytes] = set()  # entries read but not yet in the engine
+        self._handed_off: OrderedDict[str, str] = OrderedDict()  # req_id -> decode_id, to forward late cancels
+
+    async def setup(self) -> None:
+        await super().setup()
+        await self.bus.ensure_group(self.keys.requests, PREFILL_GROUP)
+
+    def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
+        return [
+            self.consume(self.keys.requests, PREFILL_GROUP, self._on_request, self._intake_capacity, self.stopping),
+            self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped),
+            self._reclaim_loop(),
+        ]
+
+    def is_idle(self) -> bool:
+        return not self._tracked and not self._admitting
+
+    async def trim(self) -> None:
+        await super().trim()
+        await self.bus.trim_acknowledged(self.keys.requests, PREFILL_GROUP)
+
+    # -- intake ----------------------------------------------------------------------------------
+
+    def _intake_capacity(self) -> int:
+        """Read more only while the engine's queue is short of a step's token budget."""
+        sched = self.settings.scheduler
+        queued = sum(t.num_prefill_tokens for t in self._tracked.values() if t.prefilled_at is None)
+        if self.draining or queued >= sched.max_num_batched_tokens:
+            return 0
+        return min(INTAKE_BATCH, sched.max_num_seqs - len(self._tracked))
+
+    async def _on_request(self, entry_id: bytes, msg: Message | None) -> None:
+        if not isinstance(msg, GenerateRequest):
+            logger.error("dropping entry %s of the requests stream: not a generate request", entry_id.decode())
+            await self.ack(self.keys.requests, PREFILL_GROUP, entry_id)
+            return
+        await self.admit(entry_id, msg)
+
+    async def admit(self, entry_id: bytes, msg: GenerateRequest) -> None:
+        if entry_id in self._admitting:
+            return
+        self._admitting.add(entry_id)
+        try:
+            await self._admit(entry_id, msg)
+        finally:
+            self._admitting.discard(entry_id)
+
+    async def _admit(self, entry_id: bytes, msg: GenerateRequest) -> None:
+        known = self._tracked.get(msg.req_id)
+        if known is not None:
+            if msg.attempt <= known.msg.attempt:  # a duplicate of work in hand
+                if entry_id != known.entry_id:
+                    await self.ack(self.keys.requests, PREFILL_GROUP, entry_id)
+                return
+            await self._cancel(known, f"superseded by attempt {msg.attempt}")
+            # the old attempt's handoff, if any, fails at its next engine call and cleans up after itself
+            await self.engine.call(self.engine.engine.abort_request, msg.req_id)
+        tracked = Tracked(msg, entry_id, arrived_at=_entry_time(entry_id))
+        refusal = await self._refusal(msg)
+        if refusal is not None:
+            await self._finish_early(tracked, *refusal)
+            return
+        try:
+            engine = self.engine.engine
+            await self.engine.call(
+                engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, True,
+                msg.output_token_ids, msg.seed,
+            )
+        except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
+            logger.info("rejected %s: %s", msg.req_id, e)
+            await self._finish_early(tracked, "abort", f"invalid request: {e}")
+            return
+        self._tracked[msg.req_id] = tracked
+        logger.debug("admitted %s (%d prompt tokens, attempt %d)", msg.req_id, tracked.num_prefill_tokens, msg.attempt)
+        self.wake_engine()
+
+    async def _refusal(self, msg: GenerateRequest) -> tuple[str, str | None] | None:
+        if msg.deadline is not None and msg.deadline < time.time():
+            return "abort", "the request's deadline passed before a prefill worker picked it up"
+        is_cancelled = await with_backoff(
+            lambda: self.bus.redis.exists(self.keys.cancelled(msg.req_id)), "checking cancel marks", self.stopped
+        )
+        return ("abort", None) if is_cancelled else None
+
+    async def _finish_early(self, tracked: Tracked, finish_reason: str, error: str | None) -> None:
+        """Answer a request that will not run (cancelled, expired, invalid) and acknowledge it."""
+        update = TokenUpdate(
+            req_id=tracked.req_id, attempt=tracked.msg.attempt, index=tracked.first_index, token_ids=[],
+            finish_reason=finish_reason, worker_id=self.worker_id, error=error,
+        )
+        await self.send(self.keys.replies(tracked.msg.gateway_id), TokenBatch([update]))
+        await self.ack(self.keys.requests, PREFILL_GROUP, tracked.entry_id)
+
+    async def _reclaim_loop(self) -> None:
+        cfg = self.settings.worker
+        while not self.stopping.is_set():
+            await asyncio.sleep(cfg.heartbeat_ttl_s)
+            capacity = self._intake_capacity()
+            if capacity <= 0:
+                continue
+            held = {t.entry_id for t in self._tracked.values()} | self._admitting
+            try:
+                claimed = await self.reclaimer.claim(capacity, held)
+            except REDIS_ERRORS as e:
+                logger.warning("reclaiming abandoned requests: Redis unavailable (%s)", e)
+                continue
+            for c in claimed:
+                msg = c.request
+                if msg is None:
+                    await self.ack(self.keys.requests, PREFILL_GROUP, c.entry_id)
+                elif c.num_deliveries > cfg.max_deliveries:
+                    logger.error("dead-lettering %s: delivered %d times", msg.req_id, c.num_deliveries)
+                    await self.reclaimer.dead_letter(c, f"delivered {c.num_deliveries} times")
+                    await self._finish_early(
+                        Tracked(msg, c.entry_id, _entry_time(c.entry_id)), "abort",
+                        f"the request failed on {c.num_deliveries - 1} workers; giving up",
+                    )
+                else:
+                    logger.warning("taking over %s from %s (delivery %d)", msg.req_id, c.previous_consumer,
+                                   c.num_deliveries)
+                    msg.num_deliveries = c.num_deliveries
+                    await self.admit(c.entry_id, msg)
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[str, list[TokenUpdate]] = {}
+        emitted: list[tuple[Tracked, RequestOutput]] = []
+        now = time.time()
+        for out in outputs:
+            t = self._tracked.get(out.req_id)
+            if t is None:
+                continue
+            t.prefilled_at = time.monotonic()
+            batches.setdefault(t.msg.gateway_id, []).append(token_update(out, t.msg.attempt, t.first_index, self.worker_id))
+            emitted.append((t, out))
+            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            self.metrics.time_to_first_token.observe(max(0.0, now - t.arrived_at))
+        # the first token goes out before the handoff starts: TTFT does not wait for decode
+        await self.send_many([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
+        for t, out in emitted:
+            if out.is_finished or t.cancelled:
+                await self._forget(t, release=not out.is_finished)
+            else:
+                t.handoff = self.spawn(self._hand_off(t))
+        self.capacity_changed.set()
+
+    async def _forget(self, t: Tracked, release: bool) -> None:
+        if release:
+            with contextlib.suppress(KeyError):  # already aborted
+                await self.engine.call(self.engine.engine.release, t.req_id)
+        await self.ack(self.keys.requests, PREFILL_GROUP, t.entry_id)
+        if self._tracked.get(t.req_id) is t:
+            del self._tracked[t.req_id]
+        self.capacity_changed.set()
+
+    # -- handoff ---------------------------------------------------------------------------------
+
+    async def _hand_off(self, t: Tracked) -> None:
+        try:
+            offer = await self._offer_message(t)
+            decode_id, needed = await self._place(t, offer)
+            if decode_id is not None and needed is not None:
+                await self._transfer(t, decode_id, needed)
+        except Exception as e:
+            if not t.cancelled:
+                logger.exception("handoff of %s failed", t.req_id)
+                await self._fail(t, f"handoff failed: {e}")
+        finally:
+            await self._forget(t, release=True)
+
+    async def _offer_message(self, t: Tracked) -> HandoffOffer:
+        h = await self.engine.call(self.engine.engine.export_handoff, t.req_id)
+        return HandoffOffer(
+            req_id=t.req_id, attempt=t.msg.attempt, gateway_id=t.msg.gateway_id, prefill_id=self.worker_id,
+            prompt_token_ids=h.prompt_token_ids, output_token_ids=h.output_token_ids,
+            output_logprobs=h.output_logprobs,
+            output_top_logprobs=[[[token_id, logprob] for token_id, logprob in row] for row in h.output_top_logprobs],
+            params=h.params.to_dict(), seed=h.seed, num_cached_tokens=h.num_cached_tokens,
+            num_blocks=h.num_blocks, deadline=t.msg.deadline,
+        )
+
+    async def _place(self, t: Tracked, offer: HandoffOffer) -> tuple[str | None, list[int] | None]:
+        """Offer the request to decode workers, least loaded first, until one reserves blocks.
+
+        Full workers are retried with backoff until the request's deadline; no decode worker at
+        all for handoff_timeout_s is an error.
+        """
+        timeout_s = self.settings.worker.handoff_timeout_s
+        alone_since: float | None = None
+        delay = 0.05
+        while not t.cancelled:
+            if t.msg.deadline is not None and t.msg.deadline < time.time():
+                await self._fail(t, "the request's deadline passed while waiting for a decode worker")
+                return None, None
+            candidates = await with_backoff(
+                lambda: self.picker.candidates(offer.num_blocks), "listing decode workers", self.stopped
+            ) or []
+            if candidates:
+                alone_since = None
+            else:
+                alone_since = alone_since or time.monotonic()
+                if time.monotonic() - alone_since > timeout_s:
+                    await self._fail(t, f"no decode worker able to hold {offer.num_blocks} KV blocks is alive")
+                    return None, None
+            for status in candidates:
+                needed = await self._offer(t, offer, status.worker_id)
+                if needed is not None:
+                    return status.worker_id, needed
+                if t.cancelled:
+                    break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        return None, None
+
+    async def _offer(self, t: Tracked, offer: HandoffOffer, decode_id: str) -> list[int] | None:
+        future = self.accepts.expect(t.req_id, t.msg.attempt, decode_id)
+        try:
+            await self.send(self.keys.inbox(decode_id), offer)
+            accept = await asyncio.wait_for(future, self.settings.worker.handoff_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("decode worker %s did not answer the offer of %s in time", decode_id, t.req_id)
+            return None
+        finally:
+            self.accepts.forget(t.req_id, t.msg.attempt)
+        if accept.needed_blocks is None:
+            logger.debug("decode worker %s has no room for %s", decode_id, t.req_id)
+            return None
+        t.decode_id = decode_id
+        self.picker.record(decode_id, offer.num_blocks)
+        return accept.needed_blocks
+
+    async def _transfer(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
+        location, num_bytes = "", 0
+        if needed:
+            data = await self.engine.call(self.engine.engine.read_kv_blocks, t.req_id, needed)
+            num_bytes = data.numel() * data.element_size()
+            location = await self.connector.put(t.req_id, t.msg.attempt, data)
+        if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
+            await self.connector.discard(location)
+            return
+        await self.send(self.keys.inbox(decode_id), KVReady(t.req_id, t.msg.attempt, needed, location, num_bytes))
+        self._remember_handoff(t.req_id, decode_id)
+        self._observe_handoff(t, decode_id, len(needed), num_bytes)
+
+    def _observe_handoff(self, t: Tracked, decode_id: str, num_blocks: int, num_bytes: int) -> None:
+        assert t.prefilled_at is not None
+        handoff_s = time.monotonic() - t.prefilled_at
+        ttft_s = max(1e-6, time.time() - handoff_s - t.arrived_at)
+        self.metrics.handoff_seconds.observe(handoff_s)
+        self.metrics.handoff_bytes.inc(num_bytes)
+        logger.info(
+            "handed %s to %s: %d blocks, %.2f MiB in %.1f ms (%.0f MiB/s), %.0f%% of its TTFT of %.0f ms",
+            t.req_id, decode_id, num_blocks, num_bytes / MIB, handoff_s * 1000,
+            num_bytes / MIB / max(handoff_s, 1e-6), 100 * handoff_s / ttft_s, ttft_s * 1000,
+        )
+
+    def _remember_handoff(self, req_id: str, decode_id: str) -> None:
+        self._handed_off[req_id] = decode_id
+        while len(self._handed_off) > MAX_REMEMBERED_HANDOFFS:
+            self._handed_off.popitem(last=False)
+
+    async def _fail(self, t: Tracked, error: str) -> None:
+        logger.error("%s: %s", t.req_id, error)
+        update = TokenUpdate(
+            req_id=t.req_id, attempt=t.msg.attempt, index=t.first_index + 1, token_ids=[], finish_reason="abort",
+            worker_id=self.worker_id, error=error,
+        )
+        await self.send(self.keys.replies(t.msg.gateway_id), TokenBatch([update]))
+
+    # -- inbox: accepts and cancels --------------------------------------------------------------
+
+    async def _on_inbox(self, entry_id: bytes, msg: Message | None) -> None:
+        try:
+            if isinstance(msg, HandoffAccept):
+                await self._on_accept(msg)
+            elif isinstance(msg, Cancel):
+                await self._on_cancel(msg)
+            else:
+                logger.warning("ignoring unexpected %s in inbox", type(msg).__name__)
+        finally:
+            await self.ack(self.inbox, INBOX_GROUP, entry_id)
+
+    async def _on_accept(self, accept: HandoffAccept) -> None:
+        if self.accepts.resolve(accept) or accept.needed_blocks is None:
+            return
+        # an answer that came too late: free the blocks that worker reserved for nothing
+        logger.info("late answer from %s for %s; telling it to drop its reservation", accept.decode_id, accept.req_id)
+        await self.send(self.keys.inbox(accept.decode_id), Cancel(accept.req_id, reason="handoff went elsewhere"))
+
+    async def _on_cancel(self, msg: Cancel) -> None:
+        t = self._tracked.get(msg.req_id)
+        if t is None:
+            decode_id = self._handed_off.get(msg.req_id)
+            if decode_id is not None:
+                await self.send(self.keys.inbox(decode_id), msg)
+            return
+        await self._cancel(t, msg.reason)
+
+    async def _cancel(self, t: Tracked, reason: str) -> None:
+        logger.info("cancelling %s: %s", t.req_id, reason)
+        t.cancelled = True
+        if t.decode_id is not None:
+            await self.send(self.keys.inbox(t.decode_id), Cancel(t.req_id, reason))
+        if t.prefilled_at is None:  # still in the engine: free its blocks now
+            await self.engine.call(self.engine.engine.abort_request, t.req_id)
+            await self._forget(t, release=False)
+        # otherwise the output handler or the handoff task sees `cancelled` and cleans up
+
+
+def _entry_time(entry_id: bytes) -> float:
+    """When Redis appended the entry (its id is milliseconds-sequence)."""
+    return int(entry_id.split(b"-")[0]) / 1000

@@ -1,0 +1,460 @@
+"""What the prefill and decode workers share: the engine thread, the heartbeat, /health and
+/metrics, stream consumption that survives Redis restarts, signals and the lifecycle
+
+    start (health server, model, consumer groups) -> serve -> drain (SIGTERM) -> deregister -> exit 0
+
+A subclass names its `role`, supplies its loops (`serve_tasks`), says when it holds no work
+(`is_idle`) and what to do with a step's outputs (`on_outputs`). Every engine call goes through
+`EngineThread.call`; every Redis call goes through `Bus` or the helpers here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from aiohttp import web
+from redis.exceptions import ResponseError
+
+from shared.engine.engine import Engine, EngineStats, RequestOutput
+from shared.metrics import WorkerMetrics
+from shared.model.loader import ModelNotFoundError, load_model, resolve_model_path
+from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
+from shared.settings import WorkerServiceSettings
+from shared.streams import INBOX_GROUP, REDIS_ERRORS, Bus, with_backoff
+from shared.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Handler = Callable[[bytes, Message | None], Awaitable[None]]
+READ_BLOCK_MS = 200  # how long a read may block: bounds how late a worker notices it should stop
+TRIM_EVERY_BEATS = 20
+
+
+class EngineThread:
+    """The only door to the engine. One dedicated thread runs every call in submission order, so
+    the engine is never touched concurrently and the event loop never waits on the model.
+
+    After each call the thread snapshots `stats`, so heartbeats and /metrics read the load
+    without queueing behind a long step.
+    """
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._engine: Engine | None = None
+        self.stats: EngineStats | None = None
+        self.num_steps = 0
+        self._busy_since: float | None = None
+        self._progress_at = time.monotonic()
+
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "the engine is not loaded yet"
+        return self._engine
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def has_work(self) -> bool:
+        return self.stats is not None and self.stats.num_running + self.stats.num_waiting > 0
+
+    async def load(self, settings: WorkerServiceSettings) -> Engine:
+        self._engine = await self.call(load_engine, settings)
+        await self.call(lambda: None)  # first stats snapshot
+        return self._engine
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        start = time.monotonic()
+        self._busy_since = start
+        if not self.has_work:
+            self._progress_at = start  # idle time is not a stall
+        try:
+            return fn(*args)
+        finally:
+            engine = self._engine
+            if engine is not None:
+                self.stats = engine.stats()
+                if engine.num_steps != self.num_steps or not self.has_work:
+                    self.num_steps = engine.num_steps
+                    self._progress_at = time.monotonic()
+            self._busy_since = None
+
+    def stalled_s(self) -> float:
+        """How long one call has been running, or the engine has held work without completing a step."""
+        now = time.monotonic()
+        busy_since = self._busy_since
+        stalled = now - busy_since if busy_since is not None else 0.0
+        return max(stalled, now - self._progress_at) if self.has_work else stalled
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def load_engine(settings: WorkerServiceSettings) -> Engine:
+    loaded = load_model(settings.model.path)
+    engine = Engine(settings.engine, loaded)
+    # the tokenizer may know more end-of-turn ids than the model header; stop where the offline LLM stops
+    tokenizer = Tokenizer.from_path(str(loaded.path))
+    engine.set_eos_token_ids(tuple(tokenizer.eos_token_ids) + engine.eos_token_ids)
+    return engine
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def model_name(settings: WorkerServiceSettings) -> str:
+    if settings.model.name:
+        return settings.model.name
+    try:
+        return resolve_model_path(settings.model.path).stem
+    except ModelNotFoundError:
+        return Path(settings.model.path).stem
+
+
+def token_update(out: RequestOutput, attempt: int, index: int, worker_id: str) -> TokenUpdate:
+    top = out.new_top_logprobs
+    return TokenUpdate(
+        req_id=out.req_id,
+        attempt=attempt,
+        index=index,
+        token_ids=list(out.new_token_ids),
+        logprobs=out.new_logprobs,
+        top_logprobs=[[[token_id, logprob] for token_id, logprob in row] for row in top] if top is not None else None,
+        finish_reason=out.finish_reason,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        worker_id=worker_id,
+    )
+
+
+async def send_many(bus: Bus, items: list[tuple[str, Message]]) -> None:
+    """XADD several messages in one round trip, in order; entries are laid out as `Bus.send` does."""
+    pipe = bus.redis.pipeline(transaction=False)
+    for stream, msg in items:
+        pipe.xadd(stream, {"m": encode(msg)})
+    await pipe.execute()
+
+
+class Worker:
+    role: ClassVar[str]
+
+    def __init__(self, settings: WorkerServiceSettings) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker.worker_id or default_worker_id(self.role)
+        self.bus = Bus(settings.redis)
+        self.keys = self.bus.keys
+        self.inbox = self.keys.inbox(self.worker_id)
+        self.engine = EngineThread()
+        self.metrics = WorkerMetrics(model_name(settings), self.worker_id)
+        self.draining = False
+        self.health_port: int | None = None
+        self.stopping = asyncio.Event()  # first SIGTERM/SIGINT: drain
+        self.stopped = asyncio.Event()  # second signal, or drained: stop now
+        self.capacity_changed = asyncio.Event()
+        self._work = asyncio.Event()
+        self._beat_now = asyncio.Event()
+        self._is_stuck = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._helpers: set[asyncio.Task[Any]] = set()
+        self._health_runner: web.AppRunner | None = None
+
+    # -- what a subclass provides ------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Create the consumer groups this worker reads (called again after Redis lost them)."""
+        await self.bus.ensure_group(self.inbox, INBOX_GROUP)
+
+    def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
+        raise NotImplementedError
+
+    def is_idle(self) -> bool:
+        raise NotImplementedError
+
+    async def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self, handle_signals: bool = True) -> None:
+        """Serve until told to stop. A first SIGTERM/SIGINT drains (no new work, finish what is
+        held), a second one stops at once."""
+        try:
+            await self.start(handle_signals)
+            await self._drain_when_asked()
+        finally:
+            await self.close()
+
+    async def start(self, handle_signals: bool = True) -> None:
+        if handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self._start_health_server()
+        logger.info("%s worker %s: loading %s", self.role, self.worker_id, self.settings.model.path)
+        engine = await self.engine.load(self.settings)
+        stats = self.engine.stats
+        assert stats is not None
+        logger.info(
+            "engine ready on %s (%s): %d KV blocks of %d tokens, torch threads %s",
+            engine.device, engine.dtype, stats.kv.num_blocks, engine.block_size, self.settings.torch_threads or "default",
+        )
+        await with_backoff(self.setup, "creating consumer groups", self.stopped)
+        await self._publish_status()
+        self._tasks = [self._spawn_forever(self._heartbeat_loop()), self._spawn_forever(self._step_loop())]
+        self._tasks += [self._spawn_forever(coro) for coro in self.serve_tasks()]
+        logger.info("serving: inbox %s, redis %s namespace %s", self.inbox, self.settings.redis.url,
+                    self.settings.redis.namespace)
+
+    def request_stop(self) -> None:
+        if self.stopping.is_set():
+            logger.warning("second stop signal: stopping now without finishing held work")
+            self.stopped.set()
+            return
+        logger.info("stop signal: draining (no new work; finishing what is held)")
+        self.stopping.set()
+
+    async def _drain_when_asked(self) -> None:
+        await self.stopping.wait()
+        self.draining = True
+        self.beat_now()
+        while not self.stopped.is_set() and not (self.is_idle() and not self.engine.has_work):
+            await _wait(self.stopped, 0.05)
+        logger.info("drained" if not self.stopped.is_set() else "stopping with work still held")
+
+    async def close(self) -> None:
+        self.stopped.set()
+        for task in [*self._tasks, *self._helpers]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._helpers, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.bus.deregister(self.role, self.worker_id), self.settings.redis.socket_timeout_s)
+            logger.info("deregistered %s", self.worker_id)
+        except (*REDIS_ERRORS, asyncio.TimeoutError) as e:
+            logger.warning("could not deregister (%s); the heartbeat will lapse on its own", e)
+        if self._health_runner is not None:
+            await self._health_runner.cleanup()
+        await self.bus.close()
+        self.engine.shutdown()
+
+    def _spawn_forever(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=getattr(coro, "__qualname__", None))
+        task.add_done_callback(_log_crash)
+        return task
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A short-lived task the worker waits for before it counts as idle."""
+        task = asyncio.create_task(coro)
+        self._helpers.add(task)
+        task.add_done_callback(self._helpers.discard)
+        task.add_done_callback(_log_crash)
+        return task
+
+    @property
+    def has_helpers(self) -> bool:
+        return bool(self._helpers)
+
+    # -- engine ----------------------------------------------------------------------------------
+
+    def wake_engine(self) -> None:
+        self._work.set()
+
+    async def _step_loop(self) -> None:
+        while not self.stopped.is_set():
+            if not self.engine.has_work:
+                await self._work.wait()
+                self._work.clear()
+                continue
+            num_steps = self.engine.num_steps
+            outputs = await self.engine.call(self.engine.engine.step)
+            if outputs:
+                await self.on_outputs(outputs)
+            elif self.engine.num_steps == num_steps:
+                await asyncio.sleep(0.01)  # work the engine cannot schedule yet (no free blocks): don't spin
+
+    # -- Redis -----------------------------------------------------------------------------------
+
+    async def consume(
+        self, stream: str, group: str, handle: Handler, capacity: Callable[[], int], until: asyncio.Event
+    ) -> None:
+        """Read new entries of `stream` as `group` while `capacity()` allows, until `until` is set.
+
+        Survives Redis going away (retries with backoff) and losing the group (recreates it).
+        """
+        delay = 0.05
+        while not until.is_set():
+            count = capacity()
+            if count <= 0:
+                await _wait(self.capacity_changed, READ_BLOCK_MS / 1000)
+                self.capacity_changed.clear()
+                continue
+            try:
+                entries = await self.bus.read_group(stream, group, self.worker_id, count, READ_BLOCK_MS)
+                delay = 0.05
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                logger.warning("consumer group %s of %s is gone (Redis restarted?); recreating it", group, stream)
+                await with_backoff(self.setup, "recreating consumer groups", self.stopped)
+                continue
+            except REDIS_ERRORS as e:
+                logger.warning("reading %s: Redis unavailable (%s); retrying in %.2fs", stream, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            for entry_id, msg in entries:
+                try:
+                    await handle(entry_id, msg)
+                except Exception:
+                    logger.exception("handling %s from %s failed", type(msg).__name__, stream)
+
+    async def send(self, stream: str, msg: Message) -> None:
+        await with_backoff(lambda: self.bus.send(stream, msg), f"sending {msg.TYPE}", self.stopped)
+
+    async def send_many(self, items: list[tuple[str, Message]]) -> None:
+        if items:
+            await with_backoff(lambda: send_many(self.bus, items), "sending token batches", self.stopped)
+
+    async def ack(self, stream: str, group: str, entry_id: bytes) -> None:
+        await with_backoff(lambda: self.bus.ack(stream, group, entry_id), f"acknowledging {stream}", self.stopped)
+
+    async def trim(self) -> None:
+        """Drop acknowledged entries of the streams this worker consumes, so they do not grow forever."""
+        await self.bus.trim_acknowledged(self.inbox, INBOX_GROUP)
+
+    # -- heartbeat -------------------------------------------------------------------------------
+
+    def status(self) -> WorkerStatus:
+        stats = self.engine.stats
+        assert stats is not None
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            role=self.role,
+            inbox=self.inbox,
+            free_blocks=stats.kv.num_free_blocks,
+            total_blocks=stats.kv.num_blocks,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting + stats.num_importing,
+            timestamp=time.time(),
+            draining=self.draining,
+        )
+
+    def beat_now(self) -> None:
+        self._beat_now.set()
+
+    async def _publish_status(self) -> None:
+        await self.bus.publish_status(self.status(), self.settings.worker.heartbeat_ttl_s)
+
+    async def _heartbeat_loop(self) -> None:
+        """A worker whose engine stalls stops beating, so the others treat it as dead."""
+        cfg = self.settings.worker
+        num_beats = 0
+        while True:
+            stalled_s = self.engine.stalled_s()
+            if stalled_s > cfg.stuck_after_s:
+                if not self._is_stuck:
+                    logger.error("engine made no progress for %.0fs while holding work; heartbeat stopped", stalled_s)
+                self._is_stuck = True
+            else:
+                if self._is_stuck:
+                    logger.warning("engine progressing again; heartbeat resumed")
+                self._is_stuck = False
+                await self._beat(num_beats)
+            num_beats += 1
+            await _wait(self._beat_now, cfg.heartbeat_interval_s)
+            self._beat_now.clear()
+
+    async def _beat(self, num_beats: int) -> None:
+        try:
+            await self._publish_status()
+            if num_beats % TRIM_EVERY_BEATS == 0:
+                await self.trim()
+        except REDIS_ERRORS as e:
+            logger.warning("heartbeat: Redis unavailable (%s)", e)
+        except ResponseError as e:
+            logger.warning("heartbeat: %s", e)
+
+    # -- /health and /metrics --------------------------------------------------------------------
+
+    async def _start_health_server(self) -> None:
+        cfg = self.settings.worker
+        self._health_runner = web.AppRunner(create_health_app(self), access_log=None)
+        await self._health_runner.setup()
+        await web.TCPSite(self._health_runner, cfg.health_host, cfg.health_port).start()
+        self.health_port = self._health_runner.addresses[0][1]
+        logger.info("health and metrics on http://%s:%d/health, /metrics", cfg.health_host, self.health_port)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        body: dict[str, Any] = {"worker_id": self.worker_id, "role": self.role, "draining": self.draining}
+        if not self.engine.is_loaded:
+            return 503, {**body, "status": "loading"}
+        stalled_s = self.engine.stalled_s()
+        if stalled_s > self.settings.worker.stuck_after_s:
+            return 503, {**body, "status": "stuck", "stalled_s": round(stalled_s, 1)}
+        return 200, {**body, "status": "draining" if self.draining else "ok"}
+
+
+WORKER_KEY = web.AppKey("worker", Worker)
+
+
+def create_health_app(worker: Worker) -> web.Application:
+    app = web.Application()
+    app[WORKER_KEY] = worker
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _health(request: web.Request) -> web.Response:
+    status, body = request.app[WORKER_KEY].health()
+    return web.json_response(body, status=status)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    worker = request.app[WORKER_KEY]
+    if worker.engine.stats is not None:
+        worker.metrics.observe_engine(worker.engine.stats)
+    return web.Response(body=worker.metrics.render(), headers={"Content-Type": worker.metrics.content_type})
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+
+
+def _log_crash(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("task %s crashed", task.get_name(), exc_info=task.exception())
+
+
+def main(worker_cls: type[Worker]) -> None:
+    """Entry point of `python -m services.prefill` / `python -m services.decode`: settings from the environment."""
+    settings = WorkerServiceSettings()
+    worker = worker_cls(settings)
+    logging.basicConfig(
+        level=settings.log_level, stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{worker.worker_id}] %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(worker.run())
+    except ModelNotFoundError as e:
+        logger.error("%s", e)
+        sys.exit(1)

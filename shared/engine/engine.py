@@ -1,0 +1,337 @@
+"""The engine: requests in, tokens out, one continuous-batching step at a time.
+
+`step()` reads as one sentence: plan = scheduler.schedule() -> result = runner.execute(plan)
+-> scheduler.update(plan, result). It also carries the prefill->decode seam: a prefill engine
+exports a request's KV blocks and first token, a decode engine imports them and continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from shared.engine.request import ReqId, Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.model.llama import LlamaModel
+from shared.model.loader import LoadedModel, load_model
+from shared.model.runner import ModelRunner, kv_block_bytes
+from shared.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request can never run on this engine; `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to one request."""
+
+    req_id: ReqId
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    new_top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    is_prefilled: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Handoff:
+    """A prefilled request as a decode engine needs it: everything but the KV bytes."""
+
+    req_id: ReqId
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    output_top_logprobs: list[list[tuple[int, float]]]
+    params: SamplingParams
+    seed: int
+    num_cached_tokens: int
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv: KVCacheStats
+    num_importing: int = 0
+    num_prefilled: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # measured on CPU (docs/benchmarks.md): float32 is faster than bfloat16 for small models there
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set kv_cache.memory_bytes")
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings, loaded: LoadedModel | None = None) -> None:
+        self.settings = settings
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        loaded = loaded or load_model(settings.model.path)
+        self.config = loaded.config
+        device = resolve_device(settings.model.device)
+        dtype = resolve_dtype(settings.model.dtype, device)
+        self.model_path = loaded.path
+        self.max_model_len = min(settings.model.max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        model = LlamaModel(self.config, loaded.weights, dtype, device)
+        kv = settings.kv_cache
+        block_bytes = kv_block_bytes(self.config, kv.block_size, dtype)
+        budget = kv.memory_bytes or int(available_memory_bytes(device) * kv.memory_fraction)
+        num_blocks = budget // block_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; at least 2 are needed"
+            )
+        self.block_size = kv.block_size
+        self.kv_cache = KVCacheManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
+        sched = settings.scheduler
+        self.scheduler = Scheduler(
+            SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill),
+            self.kv_cache,
+        )
+        self.runner = ModelRunner(model, num_blocks, kv.block_size)
+        self._requests: dict[ReqId, Request] = {}
+        self._importing: dict[ReqId, Request] = {}
+        self._rng = random.Random()
+        self.num_steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.model.dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def set_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> None:
+        """The tokenizer may know more end-of-turn ids than the model header (e.g. <|im_end|>)."""
+        self.config = replace(self.config, eos_token_ids=tuple(dict.fromkeys(eos_token_ids)))
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop_after_prefill: bool = False,
+        output_token_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> Request:
+        """Queue a request. `output_token_ids` continues a run that was cut short (its worker died):
+        those tokens count as output, so the next sampled token has output position
+        len(output_token_ids) and a seeded re-run samples exactly what the first run would have.
+        `seed` overrides `params.seed` (a gateway draws one for every request)."""
+        output_token_ids = list(output_token_ids or [])
+        self._validate(req_id, list(prompt_token_ids) + output_token_ids)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(
+            req_id=ReqId(req_id),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=seed,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            stop_after_prefill=stop_after_prefill,
+            output_token_ids=output_token_ids,
+        )
+        self._requests[req.req_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _validate(self, req_id: str, prompt_token_ids: list[int]) -> None:
+        if req_id in self._requests or req_id in self._importing:
+            raise InvalidRequestError("req_id", f"request id {req_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty; at least one token is required")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
+                f"tokens, so prompts may have at most {self.max_model_len - 1}",
+            )
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, req_id: str) -> bool:
+        """Cancel a request anywhere in the engine and free its blocks now; False if unknown."""
+        rid = ReqId(req_id)
+        req = self._requests.pop(rid, None) or self._importing.pop(rid, None)
+        if req is None:
+            return False
+        if self.scheduler.abort(rid) is None:
+            self.kv_cache.free(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        sampled = self.scheduler.update(plan, result)
+        self.num_steps += 1
+        return [self._output(req) for req in sampled]
+
+    def _output(self, req: Request) -> RequestOutput:
+        wants_logprobs = req.params.logprobs is not None
+        if req.is_finished:
+            del self._requests[req.req_id]
+        return RequestOutput(
+            req_id=req.req_id,
+            new_token_ids=req.output_token_ids[-1:],
+            new_logprobs=req.output_logprobs[-1:] if wants_logprobs else None,
+            new_top_logprobs=req.output_top_logprobs[-1:] if wants_logprobs else None,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            is_prefilled=req.status is RequestStatus.PREFILLED,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv=self.kv_cache.stats(),
+            num_importing=len(self._importing),
+            num_prefilled=sum(1 for r in self._requests.values() if r.status is RequestStatus.PREFILLED),
+        )
+
+    def check_invariants(self) -> None:
+        self.kv_cache.check_invariants()
+
+    # -- prefill side of the handoff --------------------------------------------------------
+
+    def export_handoff(self, req_id: str) -> Handoff:
+        req = self._prefilled(req_id)
+        return Handoff(
+            req_id=req.req_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            output_logprobs=list(req.output_logprobs),
+            output_top_logprobs=list(req.output_top_logprobs),
+            params=req.params,
+            seed=req.seed,
+            num_cached_tokens=req.num_cached_tokens,
+            num_blocks=len(self.kv_cache.blocks(req.req_id)),
+        )
+
+    def read_kv_blocks(self, req_id: str, block_indices: list[int]) -> torch.Tensor:
+        """KV of the request's blocks at the given table positions: [n, layers, 2, block_size, kv_heads, head_dim]."""
+        table = self.kv_cache.block_ids(self._prefilled(req_id).req_id)
+        return self.runner.read_blocks([table[i] for i in block_indices])
+
+    def release(self, req_id: str) -> None:
+        """Drop a prefilled request after handoff; its full blocks stay in the prefix cache."""
+        req = self._prefilled(req_id)
+        self.kv_cache.free(req)
+        del self._requests[req.req_id]
+
+    def _prefilled(self, req_id: str) -> Request:
+        req = self._requests.get(ReqId(req_id))
+        if req is None or req.status is not RequestStatus.PREFILLED:
+            raise KeyError(f"request {req_id!r} is not a prefilled request held by this engine")
+        return req
+
+    # -- decode side of the handoff ---------------------------------------------------------
+
+    def reserve_import(self, handoff: Handoff) -> list[int] | None:
+        """Take blocks for an incoming request before its bytes move.
+
+        Returns the block-table positions whose KV must be sent (those not already cached
+        here), or None when the pool cannot hold the request now.
+        """
+        self._validate(handoff.req_id, handoff.prompt_token_ids)
+        req = Request(
+            req_id=handoff.req_id,
+            prompt_token_ids=list(handoff.prompt_token_ids),
+            params=handoff.params,
+            seed=handoff.seed,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            output_token_ids=list(handoff.output_token_ids),
+            output_logprobs=list(handoff.output_logprobs),
+            output_top_logprobs=list(handoff.output_top_logprobs),
+            num_cached_tokens=handoff.num_cached_tokens,
+        )
+        num_kv_tokens = req.num_tokens - 1  # the last sampled token's KV is computed here, on the next step
+        cached = self.kv_cache.find_cached_prefix(req)[: num_kv_tokens // self.block_size]
+        num_new = num_kv_tokens - len(cached) * self.block_size
+        if not self.kv_cache.allocate_slots(req, num_new, cached):
+            return None
+        req.num_computed_tokens = num_kv_tokens
+        self._importing[req.req_id] = req
+        return list(range(len(cached), len(self.kv_cache.blocks(req.req_id))))
+
+    def write_kv_blocks(self, req_id: str, block_indices: list[int], data: torch.Tensor) -> None:
+        req = self._importing[ReqId(req_id)]
+        table = self.kv_cache.block_ids(req.req_id)
+        self.runner.write_blocks([table[i] for i in block_indices], data)
+
+    def commit_import(self, req_id: str) -> None:
+        """The KV bytes are in place: the request joins the batch at the next step."""
+        req = self._importing.pop(ReqId(req_id))
+        self.kv_cache.cache_full_blocks(req)
+        self._requests[req.req_id] = req
+        self.scheduler.add(req)
+
+    def import_handoff(self, handoff: Handoff, kv_blocks: torch.Tensor) -> bool:
+        """Reserve, write and commit in one call (for a source that holds every block)."""
+        needed = self.reserve_import(handoff)
+        if needed is None:
+            return False
+        self.write_kv_blocks(handoff.req_id, needed, kv_blocks[needed])
+        self.commit_import(handoff.req_id)
+        return True

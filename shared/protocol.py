@@ -1,0 +1,198 @@
+"""Every message that crosses Redis, with its codec. Nothing else builds wire dicts.
+
+Each message is a msgpack map carrying `v` (schema version) and `type`. Flow of one request:
+
+  gateway --GenerateRequest--> requests stream (consumer group "prefill")
+  prefill --TokenUpdate(first token)--> replies:<gateway_id>          (TTFT does not wait for decode)
+  prefill --HandoffOffer--> inbox:<decode_id>                         (decode picked by load)
+  decode  --HandoffAccept(needed block positions | rejected)--> inbox:<prefill_id>
+  prefill --KV bytes via the KV connector, then KVReady--> inbox:<decode_id>
+  decode  --TokenUpdate(batched per gateway, every step)--> replies:<gateway_id>
+  gateway --Cancel--> inbox of the worker holding the request (and a cancel mark for queued ones)
+
+`attempt` fences stale work: a request re-run after a worker died gets attempt + 1 and the
+gateway ignores updates of older attempts. `index` (position of the first token of an update
+in the output) lets the gateway drop duplicates after a take-over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from shared.engine.sampling_params import SamplingParams
+
+SCHEMA_VERSION = 1
+
+M = TypeVar("M", bound="Message")
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # explicit form: slots=True rebuilds the class, so the zero-argument super() would name the old one
+        super(Message, cls).__init_subclass__(**kwargs)
+        if cls.TYPE:
+            _REGISTRY[cls.TYPE] = cls
+
+    def to_wire(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["v"] = SCHEMA_VERSION
+        body["type"] = self.TYPE
+        return body
+
+    @classmethod
+    def from_wire(cls: type[M], body: dict[str, Any]) -> M:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in known})
+
+
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(msg.to_wire(), use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except (msgpack.UnpackException, ValueError) as e:
+        raise ProtocolError(f"undecodable message: {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(f"message is a {type(body).__name__}, expected a map")
+    version = body.get("v")
+    if version != SCHEMA_VERSION:
+        raise ProtocolError(f"message schema version {version!r}, this build speaks {SCHEMA_VERSION}")
+    cls = _REGISTRY.get(body.get("type", ""))
+    if cls is None:
+        raise ProtocolError(f"unknown message type {body.get('type')!r}")
+    try:
+        return cls.from_wire(body)
+    except TypeError as e:
+        raise ProtocolError(f"malformed {cls.TYPE} message: {e}") from e
+
+
+def decode_as(data: bytes, cls: type[M]) -> M:
+    msg = decode(data)
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"expected a {cls.TYPE} message, got {msg.TYPE}")
+    return msg
+
+
+@dataclass(slots=True)
+class GenerateRequest(Message):
+    """A prompt to run. `output_token_ids` is non-empty when the gateway re-runs a request
+    whose worker died: the new run continues after those tokens."""
+
+    TYPE: ClassVar[str] = "generate"
+    req_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    seed: int
+    attempt: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    deadline: float | None = None  # unix time after which the request is dropped
+    num_deliveries: int = 0
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_dict(self.params)
+
+
+@dataclass(slots=True)
+class TokenUpdate:
+    """New tokens of one request; `finish_reason` set on the last update, `error` on failure."""
+
+    req_id: str
+    attempt: int
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[list[float]]] | None = None  # per token: [[token_id, logprob], ...]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    worker_id: str = ""
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class TokenBatch(Message):
+    """All of one step's updates for the requests of one gateway: one round trip per step."""
+
+    TYPE: ClassVar[str] = "tokens"
+    updates: list[TokenUpdate]
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> TokenBatch:
+        return cls(updates=[TokenUpdate(**u) for u in body["updates"]])
+
+
+@dataclass(slots=True)
+class HandoffOffer(Message):
+    TYPE: ClassVar[str] = "handoff_offer"
+    req_id: str
+    attempt: int
+    gateway_id: str
+    prefill_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    output_top_logprobs: list[list[list[float]]]
+    params: dict[str, Any]
+    seed: int
+    num_cached_tokens: int
+    num_blocks: int
+    deadline: float | None = None
+
+
+@dataclass(slots=True)
+class HandoffAccept(Message):
+    """Decode's answer: blocks reserved, send these positions; or rejected (no room)."""
+
+    TYPE: ClassVar[str] = "handoff_accept"
+    req_id: str
+    attempt: int
+    decode_id: str
+    needed_blocks: list[int] | None  # None: rejected, offer it elsewhere
+
+
+@dataclass(slots=True)
+class KVReady(Message):
+    TYPE: ClassVar[str] = "kv_ready"
+    req_id: str
+    attempt: int
+    block_positions: list[int]
+    location: str  # connector-specific address of the bytes
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class Cancel(Message):
+    TYPE: ClassVar[str] = "cancel"
+    req_id: str
+    reason: str = "client disconnected"
+
+
+@dataclass(slots=True)
+class WorkerStatus(Message):
+    """A worker's heartbeat: liveness plus the load figures used to pick a decode worker."""
+
+    TYPE: ClassVar[str] = "worker_status"
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    inbox: str
+    free_blocks: int
+    total_blocks: int
+    num_running: int
+    num_waiting: int
+    timestamp: float
+    draining: bool = False

@@ -1,0 +1,133 @@
+"""Every setting, defined once: `BaseModel` sections composed into one `BaseSettings` per service.
+
+Environment variables use the prefix `LLMD_` and `__` for nesting, e.g.
+`LLMD_KV_CACHE__BLOCK_SIZE=32` or `LLMD_REDIS__URL=redis://host:6379/0`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "LLMD_"
+
+
+class ModelSettings(BaseModel):
+    path: str = Field("default", description="a .gguf file or a Hugging Face checkpoint folder; 'default' = SmolLM2-135M-Instruct")
+    name: str | None = Field(None, description="model id served by the API (default: derived from the path)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(None, ge=16, description="context length cap (default: the model's)")
+
+
+class KVCacheSettings(BaseModel):
+    block_size: int = Field(16, ge=1, le=256)
+    memory_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; overrides memory_fraction")
+    memory_fraction: float = Field(0.1, gt=0, le=0.95, description="share of available memory for the KV pool")
+    enable_prefix_caching: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+
+class SchedulerSettings(BaseModel):
+    max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
+    max_num_seqs: int = Field(128, ge=1, description="cap on requests running at once")
+    enable_chunked_prefill: bool = True
+
+
+class EngineSettings(BaseModel):
+    model: ModelSettings = ModelSettings()
+    kv_cache: KVCacheSettings = KVCacheSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    torch_threads: int | None = Field(None, ge=1, description="intra-op threads for torch on CPU")
+
+
+class RedisSettings(BaseModel):
+    url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = Field("llmd", description="prefix of every key and stream this deployment uses")
+    socket_timeout_s: float = Field(5.0, gt=0)
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="ignore")
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    redis: RedisSettings = RedisSettings()
+
+
+class EngineServiceSettings(_Base):
+    """What an engine-owning settings object exposes to `shared.engine` code."""
+
+    model: ModelSettings = ModelSettings()
+    kv_cache: KVCacheSettings = KVCacheSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    torch_threads: int | None = Field(None, ge=1)
+
+    @property
+    def engine(self) -> EngineSettings:
+        return EngineSettings(
+            model=self.model, kv_cache=self.kv_cache, scheduler=self.scheduler, torch_threads=self.torch_threads
+        )
+
+    @model_validator(mode="after")
+    def _budget_covers_a_block(self) -> EngineServiceSettings:
+        if self.scheduler.max_num_batched_tokens < self.kv_cache.block_size:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must be at least "
+                f"kv_cache.block_size ({self.kv_cache.block_size})"
+            )
+        return self
+
+
+class WorkerSettings(BaseModel):
+    worker_id: str | None = Field(None, description="unique id (default: host-pid-random)")
+    health_host: str = "127.0.0.1"
+    health_port: int = Field(9100, ge=0, le=65535, description="/health and /metrics; 0 picks a free port")
+    heartbeat_interval_s: float = Field(0.5, gt=0)
+    heartbeat_ttl_s: float = Field(3.0, gt=0, description="a worker silent this long is treated as dead")
+    max_deliveries: int = Field(3, ge=1, description="deliveries of one request before it is dead-lettered")
+    handoff_timeout_s: float = Field(10.0, gt=0, description="bound on waiting for the other side of a KV handoff")
+    stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
+
+    @model_validator(mode="after")
+    def _ttl_covers_heartbeats(self) -> WorkerSettings:
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        return self
+
+
+class GatewaySettings(BaseModel):
+    gateway_id: str | None = Field(None, description="unique id (default: host-pid-random)")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: str = Field("", description="comma-separated accepted bearer tokens; empty = no auth")
+    max_queued_requests: int = Field(512, ge=1, description="in-flight requests beyond which new ones get 429")
+    max_queued_prompt_tokens: int = Field(1_000_000, ge=1, description="in-flight prompt tokens beyond which 429")
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    request_timeout_s: float = Field(600.0, gt=0, description="per-request deadline")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens when a completions request gives none")
+    max_n: int = Field(16, ge=1)
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+
+class WorkerServiceSettings(EngineServiceSettings):
+    """Settings of a prefill or decode worker process."""
+
+    worker: WorkerSettings = WorkerSettings()
+
+
+class GatewayServiceSettings(_Base):
+    gateway: GatewaySettings = GatewaySettings()
+    model: ModelSettings = ModelSettings()

@@ -1,0 +1,179 @@
+"""Redis Streams helpers: key names, connection, consumer groups, safe trimming, heartbeats.
+
+All Redis I/O of the services goes through `Bus`; the key layout is defined here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.protocol import Message, WorkerStatus, decode, encode
+from shared.settings import RedisSettings
+
+logger = logging.getLogger(__name__)
+
+PREFILL_GROUP = "prefill"
+INBOX_GROUP = "worker"
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The Redis key layout of one deployment (`namespace`)."""
+
+    namespace: str
+
+    @property
+    def requests(self) -> str:
+        return f"{self.namespace}:requests"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.namespace}:dead-letter"
+
+    def replies(self, gateway_id: str) -> str:
+        return f"{self.namespace}:replies:{gateway_id}"
+
+    def inbox(self, worker_id: str) -> str:
+        return f"{self.namespace}:inbox:{worker_id}"
+
+    def workers(self, role: str) -> str:
+        return f"{self.namespace}:workers:{role}"
+
+    def alive(self, worker_id: str) -> str:
+        return f"{self.namespace}:alive:{worker_id}"
+
+    def cancelled(self, req_id: str) -> str:
+        return f"{self.namespace}:cancelled:{req_id}"
+
+    def kv_blob(self, req_id: str, attempt: int) -> str:
+        return f"{self.namespace}:kv:{req_id}:{attempt}"
+
+
+class Bus:
+    """One Redis connection pool plus the stream operations the services use."""
+
+    def __init__(self, settings: RedisSettings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        self.redis = aioredis.from_url(
+            settings.url,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.socket_timeout_s,
+            health_check_interval=10,
+        )
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except REDIS_ERRORS:
+            return False
+
+    async def send(self, stream: str, msg: Message) -> bytes:
+        return await self.redis.xadd(stream, {"m": encode(msg)})
+
+    async def ensure_group(self, stream: str, group: str) -> None:
+        try:
+            await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_group(
+        self, stream: str, group: str, consumer: str, count: int, block_ms: int
+    ) -> list[tuple[bytes, Message | None]]:
+        """New entries for this consumer; undecodable ones come back as None so they can be dead-lettered."""
+        reply = await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+        return [(entry_id, _decode_entry(fields)) for _, entries in reply or [] for entry_id, fields in entries]
+
+    async def read(self, stream: str, last_id: bytes, count: int, block_ms: int) -> list[tuple[bytes, Message | None]]:
+        reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+        return [(entry_id, _decode_entry(fields)) for _, entries in reply or [] for entry_id, fields in entries]
+
+    async def ack(self, stream: str, group: str, *entry_ids: bytes) -> None:
+        if entry_ids:
+            await self.redis.xack(stream, group, *entry_ids)
+
+    async def trim_acknowledged(self, stream: str, group: str) -> None:
+        """Drop entries every consumer of `group` has acknowledged, and nothing else."""
+        pending = await self.redis.xpending(stream, group)
+        if pending and pending.get("pending"):
+            min_id = pending["min"]
+        else:
+            groups = await self.redis.xinfo_groups(stream)
+            last = next((g["last-delivered-id"] for g in groups if _text(g["name"]) == group), None)
+            if last is None:
+                return
+            min_id = _next_id(last)
+        await self.redis.xtrim(stream, minid=min_id, approximate=False)
+
+    async def publish_status(self, status: WorkerStatus, ttl_s: float) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.workers(status.role), status.worker_id, encode(status))
+        pipe.set(self.keys.alive(status.worker_id), b"1", px=int(ttl_s * 1000))
+        await pipe.execute()
+
+    async def deregister(self, role: str, worker_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hdel(self.keys.workers(role), worker_id)
+        pipe.delete(self.keys.alive(worker_id))
+        await pipe.execute()
+
+    async def live_workers(self, role: str) -> list[WorkerStatus]:
+        """Workers of a role whose heartbeat has not lapsed."""
+        raw = await self.redis.hgetall(self.keys.workers(role))
+        statuses = [decode(v) for v in raw.values()]
+        if not statuses:
+            return []
+        alive = await self.redis.mget([self.keys.alive(s.worker_id) for s in statuses])  # type: ignore[attr-defined]
+        return [s for s, a in zip(statuses, alive) if a is not None and isinstance(s, WorkerStatus)]
+
+
+def _decode_entry(fields: dict[bytes, bytes]) -> Message | None:
+    try:
+        return decode(fields[b"m"])
+    except (KeyError, ValueError) as e:
+        logger.error("dropping undecodable stream entry: %s", e)
+        return None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _next_id(entry_id: bytes | str) -> str:
+    ms, seq = _text(entry_id).split("-")
+    return f"{ms}-{int(seq) + 1}"
+
+
+async def with_backoff(
+    op: Callable[[], Awaitable[T]], what: str, stop: asyncio.Event | None = None, max_delay_s: float = 2.0
+) -> T | None:
+    """Retry `op` on Redis connection errors with exponential backoff; None if `stop` was set meanwhile."""
+    delay = 0.05
+    while stop is None or not stop.is_set():
+        try:
+            return await op()
+        except REDIS_ERRORS as e:
+            logger.warning("%s: Redis unavailable (%s); retrying in %.2fs", what, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+    return None
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,120 @@
+"""Incremental detokenisation of one sequence's output, with stop strings.
+
+Each token decodes a small window instead of the whole output (vLLM's detokenize_incrementally):
+
+    window = [ prefix tokens | pending tokens ]
+              ^ already emitted ^ read_offset
+
+    delta = decode(window)[len(decode(prefix tokens)):]
+
+The prefix gives the decoder its left context (SentencePiece drops a leading space at the start
+of a decode), and pending tokens stay pending while the window decodes to a trailing U+FFFD,
+i.e. while a multi-byte character is still split across tokens.
+"""
+
+from __future__ import annotations
+
+from shared.text.tokenizer import Tokenizer
+
+# Prompt tokens kept as left context for the first output token.
+_PROMPT_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas; deltas never split a character or leak a stop string.
+
+    Contract: the concatenation of every `add()` and the final `flush()` equals
+    `tokenizer.decode(output_ids)` cut before the first stop string, when the prompt ends on a
+    character boundary (byte-level BPE; SentencePiece keeps the space the prompt context implies).
+    `num_output_tokens` counts the tokens consumed, up to and including the one that completed
+    a stop string; later tokens are ignored.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = [s for s in stop or [] if s]
+        self._window = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        if self._decode(self._window).endswith(_REPLACEMENT_CHAR):
+            # A prompt cut mid-character cannot serve as clean left context.
+            self._window = []
+        self._read_offset = len(self._window)
+        self._held_text = ""
+        self.num_output_tokens = 0
+        self.stop_str: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_str is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """`"stop"` once a stop string matched; other endings (eos, length) are the engine's to report."""
+        return "stop" if self.stopped else None
+
+    def add(self, token_ids: list[int]) -> str:
+        """Consume new output tokens; return the text they complete (possibly "")."""
+        parts = []
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self.num_output_tokens += 1
+            self._window.append(token_id)
+            if delta := self._read_pending(final=False):
+                parts.append(self._accept(delta, final=False))
+        return "".join(parts)
+
+    def flush(self) -> str:
+        """At the end of generation: everything still held back (a stop string still applies)."""
+        if self.stopped:
+            return ""
+        return self._accept(self._read_pending(final=True), final=True)
+
+    def _read_pending(self, final: bool) -> str:
+        if self._read_offset == len(self._window):
+            return ""
+        prefix_text = self._decode(self._window[: self._read_offset])
+        text = self._decode(self._window)
+        if not final and (text.endswith(_REPLACEMENT_CHAR) or len(text) <= len(prefix_text)):
+            return ""
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        return text[len(prefix_text) :]
+
+    def _accept(self, new_text: str, final: bool) -> str:
+        text = self._held_text + new_text
+        if not self._stop:
+            return text
+        match = self._find_stop(text)
+        if match is not None:
+            start, self.stop_str = match
+            self._held_text = ""
+            return text[:start]
+        num_held = 0 if final else self._partial_stop_len(text)
+        self._held_text = text[len(text) - num_held :]
+        return text[: len(text) - num_held]
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """The earliest stop string in `text` (ties go to the first listed)."""
+        found = [(start, s) for s in self._stop if (start := text.find(s)) >= 0]
+        return min(found, key=lambda hit: hit[0]) if found else None
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that a stop string begins with."""
+        longest = 0
+        for s in self._stop:
+            for size in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:size]):
+                    longest = size
+                    break
+        return longest
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

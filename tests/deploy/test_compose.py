@@ -1,0 +1,140 @@
+"""docker-compose.yml and its GPU override, as Docker Compose v2 itself resolves them."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy.tools import REPO_ROOT, compose_config, run
+
+CPU_FILES = ["docker-compose.yml"]
+GPU_FILES = ["docker-compose.yml", "docker-compose.gpu.yml"]
+WORKERS = ("prefill", "decode")
+LLMD_SERVICES = ("gateway", *WORKERS)
+
+
+@pytest.fixture(scope="module")
+def cpu(compose_bin: str) -> dict[str, Any]:
+    return compose_config(compose_bin, CPU_FILES)
+
+
+@pytest.fixture(scope="module")
+def gpu(compose_bin: str) -> dict[str, Any]:
+    return compose_config(compose_bin, GPU_FILES)
+
+
+def test_config_rejects_an_invalid_file(compose_bin: str, tmp_path: Path) -> None:
+    # Guards the guard: `config` must fail on a broken file, or the tests above prove nothing.
+    bad = tmp_path / "compose.yml"
+    bad.write_text("services:\n  a:\n    image: x\n    depends_on:\n      b:\n        condition: service_healthy\n")
+    result = run([compose_bin, "-f", str(bad), "config", "-q"])
+    assert result.returncode != 0
+    assert 'depends on undefined service "b"' in result.stderr
+
+
+def test_stack_has_exactly_redis_gateway_prefill_and_decode(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    assert sorted(cpu["services"]) == ["decode", "gateway", "prefill", "redis"]
+    assert sorted(gpu["services"]) == ["decode", "gateway", "prefill", "redis"]
+
+
+@pytest.mark.parametrize("service", WORKERS)
+def test_workers_can_be_scaled(cpu: dict[str, Any], service: str) -> None:
+    spec = cpu["services"][service]
+    assert "container_name" not in spec
+    assert "ports" not in spec
+    assert spec["expose"] == ["9100"]
+
+
+def test_only_the_gateway_publishes_a_port(cpu: dict[str, Any]) -> None:
+    published = {name: spec["ports"] for name, spec in cpu["services"].items() if "ports" in spec}
+    assert published == {"gateway": [{"mode": "ingress", "target": 8000, "published": "8000", "protocol": "tcp"}]}
+
+
+@pytest.mark.parametrize("service", LLMD_SERVICES)
+def test_llmd_services_start_after_redis_is_healthy(cpu: dict[str, Any], service: str) -> None:
+    assert cpu["services"][service]["depends_on"] == {"redis": {"condition": "service_healthy", "required": True}}
+
+
+def test_redis_is_probed_with_ping_and_keeps_nothing_on_disk(cpu: dict[str, Any]) -> None:
+    redis = cpu["services"]["redis"]
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert redis["command"] == ["redis-server", "--save", "", "--appendonly", "no"]
+    assert "volumes" not in redis
+
+
+@pytest.mark.parametrize(
+    ("service", "port_var", "port"),
+    [("gateway", "LLMD_GATEWAY__PORT", "8000"), ("prefill", "LLMD_WORKER__HEALTH_PORT", "9100"),
+     ("decode", "LLMD_WORKER__HEALTH_PORT", "9100")],
+)
+def test_healthcheck_probes_health_on_the_configured_port(
+    cpu: dict[str, Any], service: str, port_var: str, port: str
+) -> None:
+    spec = cpu["services"][service]
+    test = spec["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python", "-c"]
+    assert "urllib.request.urlopen('http://127.0.0.1:%s/health'" in test[3]
+    assert f"os.environ['{port_var}']" in test[3]
+    assert spec["environment"][port_var] == port
+    compile(test[3], "healthcheck", "exec")
+
+
+@pytest.mark.parametrize("service", LLMD_SERVICES)
+def test_services_run_their_module_from_one_image(cpu: dict[str, Any], service: str) -> None:
+    spec = cpu["services"][service]
+    assert spec["command"] == ["python", "-m", f"services.{service}"]
+    assert spec["image"] == "llmd:cpu"
+    assert spec["build"]["dockerfile"] == "Dockerfile"
+
+
+@pytest.mark.parametrize("service", LLMD_SERVICES)
+def test_services_reach_redis_by_its_service_name(cpu: dict[str, Any], service: str) -> None:
+    assert cpu["services"][service]["environment"]["LLMD_REDIS__URL"] == "redis://redis:6379/0"
+
+
+def test_optional_settings_pass_through_unset(cpu: dict[str, Any]) -> None:
+    # A key with no value is unset in the container unless the shell sets it, so the
+    # code's default applies (for the model: the GGUF baked into the image).
+    assert cpu["services"]["decode"]["environment"]["LLMD_MODEL__PATH"] is None
+    assert cpu["services"]["gateway"]["environment"]["LLMD_GATEWAY__API_KEYS"] is None
+
+
+@pytest.mark.parametrize("service", WORKERS)
+def test_gpu_override_reserves_one_gpu_per_worker(gpu: dict[str, Any], service: str) -> None:
+    spec = gpu["services"][service]
+    assert spec["deploy"]["resources"]["reservations"]["devices"] == [
+        {"capabilities": ["gpu"], "driver": "nvidia", "count": 1}
+    ]
+    assert spec["image"] == "llmd:gpu"
+    assert spec["build"]["dockerfile"] == "Dockerfile.gpu"
+    assert spec["environment"]["LLMD_MODEL__DEVICE"] == "cuda"
+    assert spec["command"] == ["python", "-m", f"services.{service}"]
+    assert "ports" not in spec
+
+
+def test_gpu_override_leaves_gateway_and_redis_as_they_are(cpu: dict[str, Any], gpu: dict[str, Any]) -> None:
+    assert gpu["services"]["gateway"] == cpu["services"]["gateway"]
+    assert gpu["services"]["redis"] == cpu["services"]["redis"]
+
+
+def doc_compose_snippets() -> list[str]:
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO_ROOT / "docs" / "deploy.md").read_text(), re.S)
+    return [block for block in blocks if block.startswith("services:")]
+
+
+def test_docs_show_compose_snippets() -> None:
+    assert len(doc_compose_snippets()) == 2
+
+
+@pytest.mark.parametrize("snippet", doc_compose_snippets())
+def test_compose_snippets_in_the_docs_resolve(compose_bin: str, tmp_path: Path, snippet: str) -> None:
+    for name in [*GPU_FILES, "Dockerfile", "Dockerfile.gpu"]:
+        shutil.copy(REPO_ROOT / name, tmp_path / name)
+    (tmp_path / "snippet.yml").write_text(snippet)
+    args = [arg for name in [*GPU_FILES, "snippet.yml"] for arg in ("-f", name)]
+    result = run([compose_bin, *args, "config", "-q"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
+from tests.kernels.paged_batch import PagedBatch, dense_causal_attention, make_paged_batch
+
+# (seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size)
+Case = tuple[list[int], list[int], int, int, int, int]
+
+DECODE_CASES: list[Case] = [
+    ([1], [1], 4, 4, 64, 16),  # a single token
+    ([1, 15, 16, 17, 33], [1] * 5, 6, 2, 64, 16),  # around block boundaries, 3 queries per kv head
+    ([31, 32, 33, 70], [1] * 4, 8, 1, 128, 32),  # 8 queries per kv head
+    ([100, 3], [1, 1], 2, 2, 128, 16),
+]
+# decode batches long enough to be split into several partitions
+SPLIT_DECODE_CASES: list[Case] = [
+    ([1, 200, 65], [1] * 3, 6, 2, 64, 32),  # short and long requests together
+    ([130, 7], [1, 1], 8, 1, 128, 16),
+]
+EXTEND_CASES: list[Case] = [
+    ([20], [20], 4, 4, 64, 16),  # a fresh prompt
+    ([50], [13], 6, 2, 64, 16),  # prefill on a cached prefix that ends mid-block
+    ([1, 40, 77], [1, 40, 30], 3, 1, 64, 32),  # decode, fresh prompt and cached prefix in one batch
+    ([70, 18], [70, 5], 8, 1, 64, 16),  # queries span two fp32 query tiles, 8 queries per kv head
+    ([24, 9], [10, 9], 2, 2, 128, 32),
+    ([140], [135], 2, 1, 64, 32),  # queries span two bf16 query tiles
+]
+DTYPES = [torch.float32, torch.bfloat16]
+# fp32: both sides compute in fp32, summing in different orders (measured <= 1e-6).
+# bf16: the kernel rounds probabilities to bf16 for the PV product and both round the output
+# to bf16, whose ulp is 2**-7 in [1, 2): two ulps (measured <= one).
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2}}
+
+
+def _case_id(case: Case) -> str:
+    seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size = case
+    return f"seq{seq_lens}-q{query_lens}-h{num_heads}/{num_kv_heads}-d{head_dim}-bs{block_size}".replace(" ", "")
+
+
+def _batch(case: Case, dtype: torch.dtype, device: str = "cpu") -> PagedBatch:
+    return make_paged_batch(*case, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES, ids=_case_id)
+def test_ref_matches_dense_causal_attention(case: Case, dtype: torch.dtype) -> None:
+    batch = _batch(case, dtype)
+    out = paged_attention_ref(*batch.args)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double(), dense_causal_attention(batch), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES + EXTEND_CASES, ids=_case_id)
+def test_triton_matches_ref(case: Case, dtype: torch.dtype, triton_device: str) -> None:
+    batch = _batch(case, dtype, triton_device)
+    out = paged_attention_triton(*batch.args)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SPLIT_DECODE_CASES, ids=_case_id)
+def test_split_decode_matches_ref(case: Case, dtype: torch.dtype, triton_device: str) -> None:
+    batch = _batch(case, dtype, triton_device)
+    out = paged_attention_triton(*batch.args, partition_size=64)
+    torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[dtype])
+
+
+def test_split_decode_equals_single_partition_decode(triton_device: str) -> None:
+    batch = _batch(([150, 64, 1], [1, 1, 1], 4, 2, 64, 16), torch.float32, triton_device)
+    split = paged_attention_triton(*batch.args, partition_size=64)
+    whole = paged_attention_triton(*batch.args, partition_size=256)
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_dispatch_runs_the_reference() -> None:
+    batch = _batch(DECODE_CASES[1], torch.float32)
+    assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
+
+
+def test_empty_batch_returns_empty_output() -> None:
+    batch = _batch(([5], [1], 2, 2, 64, 16), torch.float32)
+    batch.q = batch.q[:0]
+    batch.seq_lens = batch.seq_lens[:0]
+    batch.query_start_loc = batch.query_start_loc[:1]
+    batch.block_tables = batch.block_tables[:0]
+    assert paged_attention(*batch.args).shape == (0, 2, 64)
+
+
+def _hf_sdpa(batch: PagedBatch, rows: list[int]) -> torch.Tensor:
+    """transformers' own SDPA attention on contiguous K/V, as it runs with no padding mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    num_heads, num_kv_heads = batch.q.shape[1], batch.k_cache.shape[2]
+    module = SimpleNamespace(num_key_value_groups=num_heads // num_kv_heads, is_causal=True)
+    starts = batch.query_start_loc.tolist()
+    query = torch.stack([batch.q[starts[i] : starts[i + 1]].transpose(0, 1) for i in rows])  # [b, h, q, d]
+    key = torch.stack([batch.dense_k[i].transpose(0, 1) for i in rows])  # [b, kv_heads, seq, d]
+    value = torch.stack([batch.dense_v[i].transpose(0, 1) for i in rows])
+    out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=batch.scale)
+    return out.flatten(0, 1)  # [b * q, h, d]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        ([37], [1], 6, 2, 64, 16),  # decode, batch 1
+        ([45, 45, 45], [1, 1, 1], 8, 1, 128, 32),  # decode, equal lengths
+        ([29], [29], 6, 2, 64, 16),  # a fresh prompt
+        ([21], [21], 4, 4, 128, 16),
+    ],
+    ids=_case_id,
+)
+def test_ref_is_bitwise_hf_sdpa_where_hf_runs_unpadded(case: Case, dtype: torch.dtype) -> None:
+    batch = _batch(case, dtype)
+    assert torch.equal(paged_attention(*batch.args), _hf_sdpa(batch, list(range(len(case[0])))))
+
+
+def test_mixed_length_decode_is_close_to_hf_sdpa_per_request() -> None:
+    batch = _batch(([3, 64, 100, 17], [1] * 4, 6, 2, 64, 16), torch.float32)
+    hf = torch.cat([_hf_sdpa(batch, [i]) for i in range(4)])
+    torch.testing.assert_close(paged_attention(*batch.args), hf, atol=1e-6, rtol=1e-6)
+
+
+def _bad(batch: PagedBatch, **changes: object) -> tuple[object, ...]:
+    fields = {
+        "q": batch.q, "k_cache": batch.k_cache, "v_cache": batch.v_cache, "block_tables": batch.block_tables,
+        "seq_lens": batch.seq_lens, "query_start_loc": batch.query_start_loc,
+        "max_query_len": batch.max_query_len, "scale": batch.scale,
+    }
+    return tuple({**fields, **changes}.values())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"seq_lens": torch.tensor([1, 15], dtype=torch.int64)}, "seq_lens must be int32"),
+        ({"query_start_loc": torch.tensor([0, 1], dtype=torch.int32)}, "query_start_loc must be int32 \\[3\\]"),
+        ({"q": torch.zeros(2, 5, 64)}, "num_heads 5 is not a multiple of num_kv_heads 2"),
+        ({"q": torch.zeros(2, 6, 32)}, "cache head_dim 64 != q head_dim 32"),
+        ({"q": torch.zeros(2, 6, 64, dtype=torch.bfloat16)}, "dtypes differ"),
+        ({"q": torch.zeros(3, 6, 64)}, "one query per request: 3 != 2"),
+        ({"max_query_len": 0}, "max_query_len must be at least 1"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(changes: dict[str, object], message: str) -> None:
+    batch = _batch(([1, 15], [1, 1], 6, 2, 64, 16), torch.float32)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*_bad(batch, **changes))
