@@ -10,19 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+IMPORT_ERROR: str | None = None
 try:
     import triton
     import triton.language as tl
-except ImportError:
+# a broken install can fail with more than ImportError; CPU use must survive any of them
+except Exception as exc:
     triton = None
     tl = None
+    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-# FMA contraction is off so that `a * b + c` rounds like the references do; these kernels are
-# memory-bound and lose nothing by it. Passing it explicitly also keeps Triton 3.9 from
-# warning about the default changing.
+# FMA contraction is off so that `a * b + c` rounds as in the references. Matrix products are
+# unaffected, and the rest of every kernel is memory-bound. Passing it explicitly also keeps
+# Triton 3.9 from warning that its default will change.
 LAUNCH_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
-
-Launcher = Callable[..., None]
 
 
 def jit(fn: Callable[..., None]) -> Any:
@@ -31,7 +32,9 @@ def jit(fn: Callable[..., None]) -> Any:
 
 def require_triton() -> None:
     if triton is None:
-        raise RuntimeError("Triton is not importable; CUDA tensors need it (CPU tensors run the PyTorch references)")
+        raise RuntimeError(
+            f"Triton failed to import ({IMPORT_ERROR}); CUDA tensors need it (CPU tensors run the PyTorch references)"
+        )
 
 
 def launch(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> None:

@@ -36,7 +36,8 @@ def _check_args(
 ) -> None:
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
-            f"key and value must be [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)} and {tuple(value.shape)}"
+            "key and value must be [num_tokens, num_kv_heads, head_dim], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(

@@ -110,11 +110,11 @@ def _decode_reduce_kernel(
     l_total = tl.load(sum_ptr + stats)
     acc = tl.load(parts, mask=d_mask, other=0.0) * l_total  # [BLOCK_D], unnormalised
     for part in range(1, num_parts):
-        m = tl.load(max_ptr + stats + part)
-        l = tl.load(sum_ptr + stats + part)
-        m_new = tl.maximum(m_total, m)
+        part_max = tl.load(max_ptr + stats + part)
+        part_sum = tl.load(sum_ptr + stats + part)
+        m_new = tl.maximum(m_total, part_max)
         old_scale = tl.exp2(m_total - m_new)
-        new_scale = tl.exp2(m - m_new) * l
+        new_scale = tl.exp2(part_max - m_new) * part_sum
         acc = acc * old_scale + tl.load(parts + part * stride_part_p, mask=d_mask, other=0.0) * new_scale
         l_total = l_total * old_scale + new_scale
         m_total = m_new
@@ -218,9 +218,12 @@ def _check_args(
 
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Copy the first `num_keys` tokens of each row's blocks: [rows, num_kv_heads, num_keys, head_dim]."""
-    num_blocks = _triton.cdiv(num_keys, cache.shape[1])
-    kv = cache[block_tables[:, :num_blocks]]  # [rows, num_blocks, block_size, num_kv_heads, head_dim]
-    return kv.flatten(1, 2)[:, :num_keys].transpose(1, 2)
+    num_rows, (_, block_size, num_kv_heads, head_dim) = block_tables.shape[0], cache.shape
+    num_blocks = _triton.cdiv(num_keys, block_size)
+    # index_select, not cache[table]: advanced indexing costs time in proportion to the whole cache
+    kv = cache.index_select(0, block_tables[:, :num_blocks].reshape(-1))  # [rows * num_blocks, block_size, ...]
+    kv = kv.view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
+    return kv[:, :num_keys].transpose(1, 2)
 
 
 def _decode_ref(
@@ -247,7 +250,8 @@ def _decode_ref(
         # multiplies its value, so zero them
         k.masked_fill_(~valid[:, None, :, None], 0.0)
         v.masked_fill_(~valid[:, None, :, None], 0.0)
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=gqa)
+        mask = valid[:, None, None, :]  # [num_reqs, 1, 1, max_len]
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(2)  # [num_reqs, num_heads, head_dim]
 
 
@@ -312,12 +316,11 @@ def _decode_triton(
     meta = dict(
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim,
         BLOCK_G=max(16, _triton.next_power_of_2(queries_per_kv)), BLOCK_D=max(16, _triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, TILE_N=64, PARTITION=partition, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_SIZE=block_size, TILE_N=64, PARTITION=partition, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
     )
     grid = (num_reqs, num_kv_heads, num_parts)
-    common = (
-        q, k_cache, v_cache, block_tables, seq_lens, scale * _LOG2E,
-    )
+    common = (q, k_cache, v_cache, block_tables, seq_lens, scale * _LOG2E)
     strides = (q.stride(0), q.stride(1), *_cache_strides(k_cache, v_cache), block_tables.stride(0))
     if num_parts == 1:
         # one partition is already the answer: write it straight to `out`
@@ -395,7 +398,8 @@ def paged_attention(
     match Hugging Face's SDPA attention bit for bit; mixed-length decode batches agree to
     float rounding (padding changes SDPA's vector tails).
     """
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     if q.is_cuda:
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+        return paged_attention_triton(*args)
+    _check_args(*args[:-1])
+    return paged_attention_ref(*args)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import redis
 
@@ -87,12 +88,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _load_prctl() -> Callable[[int, int], int] | None:
+    try:
+        return ctypes.CDLL(None).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # resolved before any fork: the child only makes the call
+
+
 def _die_with_parent() -> None:
     """Children get SIGTERM if the launcher dies without cleaning up (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class RedisServer:
@@ -105,12 +114,14 @@ class RedisServer:
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 15.0) -> str:
+        """Start (or restart, on the same port) and wait until it answers."""
         binary = find_redis_server()
+        os.makedirs(self._dir, exist_ok=True)
         cmd = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
         ]
-        self._process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self._process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: PLW1509
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -128,6 +139,7 @@ class RedisServer:
     def stop(self) -> None:
         if self._process is not None:
             _terminate([self._process], timeout_s=10.0)
+            self._process = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -155,7 +167,7 @@ class Stack:
         self._torch_threads = 1
         self._aborted = threading.Event()
 
-    def __enter__(self) -> Stack:
+    def __enter__(self) -> Self:
         try:
             self.start()
         except BaseException:
@@ -267,8 +279,10 @@ class Stack:
 
     def _spawn(self, name: str, role: str, extra_env: dict[str, str]) -> None:
         env = {**os.environ, **self._common_env(), **extra_env}
+        # preexec_fn only makes one prctl call, resolved beforehand, so it is safe with threads
         process = subprocess.Popen(
-            [sys.executable, "-m", f"services.{role}"], env=env, start_new_session=True, preexec_fn=_die_with_parent
+            [sys.executable, "-m", f"services.{role}"], env=env, start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
         self.children[name] = Child(name, role, process)
         logger.info("started %s (pid %d)", name, process.pid)

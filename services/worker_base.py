@@ -40,6 +40,7 @@ T = TypeVar("T")
 Handler = Callable[[bytes, Message | None], Awaitable[None]]
 READ_BLOCK_MS = 200  # how long a read may block: bounds how late a worker notices it should stop
 TRIM_EVERY_BEATS = 20
+REPORT_EVERY_S = 10.0
 
 
 class EngineThread:
@@ -47,16 +48,18 @@ class EngineThread:
     the engine is never touched concurrently and the event loop never waits on the model.
 
     After each call the thread snapshots `stats`, so heartbeats and /metrics read the load
-    without queueing behind a long step.
+    without queueing behind a long step. It also tells a hung engine (a call that never returns,
+    or work held while nobody steps) from a busy one (`stalled_s`); a step that finds nothing it
+    can schedule, e.g. while blocks wait for a handoff, still counts as a step.
     """
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine: Engine | None = None
         self.stats: EngineStats | None = None
-        self.num_steps = 0
+        self.num_steps = 0  # steps that computed something
         self._busy_since: float | None = None
-        self._progress_at = time.monotonic()
+        self._stepped_at = time.monotonic()
 
     @property
     def engine(self) -> Engine:
@@ -79,28 +82,33 @@ class EngineThread:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
 
+    async def step(self) -> list[RequestOutput]:
+        return await self.call(self._step)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self._stepped_at = time.monotonic()
+        return outputs
+
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         start = time.monotonic()
         self._busy_since = start
         if not self.has_work:
-            self._progress_at = start  # idle time is not a stall
+            self._stepped_at = start  # idle time is not a stall
         try:
             return fn(*args)
         finally:
-            engine = self._engine
-            if engine is not None:
-                self.stats = engine.stats()
-                if engine.num_steps != self.num_steps or not self.has_work:
-                    self.num_steps = engine.num_steps
-                    self._progress_at = time.monotonic()
+            if self._engine is not None:
+                self.stats = self._engine.stats()
+                self.num_steps = self._engine.num_steps
             self._busy_since = None
 
     def stalled_s(self) -> float:
-        """How long one call has been running, or the engine has held work without completing a step."""
+        """How long one call has been running, or the engine has held work that nobody stepped."""
         now = time.monotonic()
         busy_since = self._busy_since
         stalled = now - busy_since if busy_since is not None else 0.0
-        return max(stalled, now - self._progress_at) if self.has_work else stalled
+        return max(stalled, now - self._stepped_at) if self.has_work else stalled
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -190,6 +198,10 @@ class Worker:
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         raise NotImplementedError
 
+    def report(self, interval_s: float) -> str | None:
+        """A line for the log summing up the last `interval_s` seconds; None when there was nothing."""
+        return None
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def run(self, handle_signals: bool = True) -> None:
@@ -244,9 +256,10 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._helpers, return_exceptions=True)
         try:
-            await asyncio.wait_for(self.bus.deregister(self.role, self.worker_id), self.settings.redis.socket_timeout_s)
+            async with asyncio.timeout(self.settings.redis.socket_timeout_s):
+                await self.bus.deregister(self.role, self.worker_id)
             logger.info("deregistered %s", self.worker_id)
-        except (*REDIS_ERRORS, asyncio.TimeoutError) as e:
+        except (*REDIS_ERRORS, TimeoutError) as e:
             logger.warning("could not deregister (%s); the heartbeat will lapse on its own", e)
         if self._health_runner is not None:
             await self._health_runner.cleanup()
@@ -282,9 +295,13 @@ class Worker:
                 self._work.clear()
                 continue
             num_steps = self.engine.num_steps
-            outputs = await self.engine.call(self.engine.engine.step)
+            # an engine error ends this loop: the worker then counts as stuck and stops heartbeating
+            outputs = await self.engine.step()
             if outputs:
-                await self.on_outputs(outputs)
+                try:
+                    await self.on_outputs(outputs)
+                except Exception:
+                    logger.exception("delivering the outputs of a step failed")
             elif self.engine.num_steps == num_steps:
                 await asyncio.sleep(0.01)  # work the engine cannot schedule yet (no free blocks): don't spin
 
@@ -365,7 +382,13 @@ class Worker:
         """A worker whose engine stalls stops beating, so the others treat it as dead."""
         cfg = self.settings.worker
         num_beats = 0
-        while True:
+        reported_at = time.monotonic()
+        while not self.stopped.is_set():
+            if time.monotonic() - reported_at >= REPORT_EVERY_S:
+                line = self.report(time.monotonic() - reported_at)
+                reported_at = time.monotonic()
+                if line:
+                    logger.info("%s", line)
             stalled_s = self.engine.stalled_s()
             if stalled_s > cfg.stuck_after_s:
                 if not self._is_stuck:
@@ -434,9 +457,11 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that races its timeout
     try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
         pass
 
 

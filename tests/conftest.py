@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# the Triton interpreter must be chosen before anything (transformers included) imports triton
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shared.model.loader import LoadedModel, default_model_path, load_model
 

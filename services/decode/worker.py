@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
+from services.kv_connector import KVTransferError, RedisKVConnector
+from services.worker_base import Worker, token_update
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
 from shared.engine.request import ReqId
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.protocol import Cancel, HandoffAccept, HandoffOffer, KVReady, Message, TokenBatch, TokenUpdate
 from shared.settings import WorkerServiceSettings
 from shared.streams import INBOX_GROUP
-from services.kv_connector import KVTransferError, RedisKVConnector
-from services.worker_base import Worker, token_update
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,16 @@ class Active:
     gateway_id: str
     attempt: int
     next_index: int  # output position of the next token
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the worker did since its last report."""
+
+    num_tokens: int = 0
+    num_joined: int = 0
+    num_finished: int = 0
+    num_cancelled: int = 0
 
 
 def handoff_from_offer(offer: HandoffOffer) -> Handoff:
@@ -85,12 +95,24 @@ class DecodeWorker(Worker):
         self._active: dict[str, Active] = {}
         self._outbox: asyncio.Queue[list[tuple[str, Message]]] = asyncio.Queue()
         self._num_unsent = 0
+        self._tally = Tally()
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
         return [self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped), self._send_loop()]
 
     def is_idle(self) -> bool:
         return not self._reserved and not self._active and self._num_unsent == 0 and not self.has_helpers
+
+    def report(self, interval_s: float) -> str | None:
+        tally, self._tally = self._tally, Tally()
+        stats = self.engine.stats
+        if stats is None or not (tally.num_tokens or tally.num_joined or tally.num_cancelled):
+            return None
+        return (
+            f"last {interval_s:.0f}s: {tally.num_tokens} tokens ({tally.num_tokens / interval_s:.1f}/s), "
+            f"{tally.num_joined} joined, {tally.num_finished} finished, {tally.num_cancelled} cancelled; "
+            f"now {stats.num_running} running, {stats.num_waiting} waiting, KV {100 * stats.kv.usage:.0f}% used"
+        )
 
     # -- inbox -----------------------------------------------------------------------------------
 
@@ -176,6 +198,7 @@ class DecodeWorker(Worker):
             await self._fail(offer, f"KV import failed: {e}")
         else:
             self.wake_engine()
+            self._tally.num_joined += 1
             logger.debug("imported %s: %d blocks, %d bytes", msg.req_id, len(msg.block_positions), msg.num_bytes)
         await self._discard(msg.location)
 
@@ -189,6 +212,7 @@ class DecodeWorker(Worker):
             held.expiry.cancel()
         self._active.pop(req_id, None)
         await self.engine.call(self.engine.engine.abort_request, req_id)
+        self._tally.num_cancelled += 1
         logger.info("aborted %s (%s); its blocks are free", req_id, reason)
 
     async def _discard(self, location: str) -> None:
@@ -215,15 +239,17 @@ class DecodeWorker(Worker):
             )
             active.next_index += len(out.new_token_ids)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            self._tally.num_tokens += len(out.new_token_ids)
             if out.is_finished:
                 del self._active[out.req_id]
+                self._tally.num_finished += 1
         if batches:
             self._num_unsent += 1
             self._outbox.put_nowait([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
 
     async def _send_loop(self) -> None:
         """Sends each step's batches in order while the engine runs the next step."""
-        while True:
+        while not self.stopped.is_set():
             items = await self._outbox.get()
             num_steps = 1
             while not self._outbox.empty():

@@ -23,6 +23,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
@@ -52,6 +53,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -59,6 +61,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}  # e.g. Retry-After on 429, WWW-Authenticate on 401
 
 
 def error_body(err: ApiError) -> dict[str, Any]:
@@ -313,6 +316,43 @@ class ChatCompletionRequest(_GenerationRequest):
         return [message.to_template() for message in self.messages]
 
 
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize (vLLM's extension): a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if messages == []:
+            raise ValueError("messages must contain at least one message, got []")
+        return messages
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.to_template() for message in self.messages or []]
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's extension)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
     """The engine's view of `req`; out-of-range values raise ApiError (400) naming the request field."""
     kwargs = req._sampling_kwargs()
@@ -395,7 +435,7 @@ def token_text(token_bytes: bytes) -> str:
 
 def _finite(logprob: float) -> float:
     # Also maps NaN to the floor: NaN > x is false.
-    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+    return max(LOGPROB_FLOOR, logprob)
 
 
 def _chat_token(entry: TokenLogprob) -> dict[str, Any]:

@@ -22,6 +22,12 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ResponseError
+
+from services.kv_connector import RedisKVConnector
+from services.prefill.placement import AcceptBoard, DecodePicker
+from services.prefill.reclaim import Claimed, Reclaimer
+from services.worker_base import Worker, token_update
 from shared.engine.engine import InvalidRequestError, RequestOutput
 from shared.engine.sampling_params import SamplingParamsError
 from shared.protocol import (
@@ -36,16 +42,41 @@ from shared.protocol import (
 )
 from shared.settings import WorkerServiceSettings
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, REDIS_ERRORS, with_backoff
-from services.kv_connector import RedisKVConnector
-from services.prefill.placement import AcceptBoard, DecodePicker
-from services.prefill.reclaim import Reclaimer
-from services.worker_base import Worker, token_update
 
 logger = logging.getLogger(__name__)
 
 INTAKE_BATCH = 4  # entries per read: small, so that idle prefill workers share a burst
 MAX_REMEMBERED_HANDOFFS = 4096
 MIB = 2**20
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the worker did since its last report."""
+
+    num_prefilled: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_handoffs: int = 0
+    num_handoff_bytes: int = 0
+    handoff_s: float = 0.0
+    ttft_s: float = 0.0
+
+    def line(self, interval_s: float) -> str | None:
+        if not self.num_prefilled and not self.num_handoffs:
+            return None
+        line = (
+            f"last {interval_s:.0f}s: prefilled {self.num_prefilled} requests ({self.num_prompt_tokens} prompt tokens, "
+            f"{100 * self.num_cached_tokens / max(1, self.num_prompt_tokens):.0f}% from the prefix cache)"
+        )
+        if self.num_handoffs:
+            line += (
+                f"; {self.num_handoffs} handoffs moved {self.num_handoff_bytes / MIB:.1f} MiB at "
+                f"{self.num_handoff_bytes / MIB / max(self.handoff_s, 1e-6):.0f} MiB/s, "
+                f"{1000 * self.handoff_s / self.num_handoffs:.0f} ms each, "
+                f"{100 * self.handoff_s / max(self.ttft_s, 1e-6):.0f}% of TTFT"
+            )
+        return line
 
 
 @dataclass(slots=True, eq=False)
@@ -87,6 +118,7 @@ class PrefillWorker(Worker):
         self._tracked: dict[str, Tracked] = {}
         self._admitting: set[bytes] = set()  # entries read but not yet in the engine
         self._handed_off: OrderedDict[str, str] = OrderedDict()  # req_id -> decode_id, to forward late cancels
+        self._tally = Tally()
 
     async def setup(self) -> None:
         await super().setup()
@@ -101,6 +133,10 @@ class PrefillWorker(Worker):
 
     def is_idle(self) -> bool:
         return not self._tracked and not self._admitting
+
+    def report(self, interval_s: float) -> str | None:
+        tally, self._tally = self._tally, Tally()
+        return tally.line(interval_s)
 
     async def trim(self) -> None:
         await super().trim()
@@ -187,26 +223,27 @@ class PrefillWorker(Worker):
                 continue
             held = {t.entry_id for t in self._tracked.values()} | self._admitting
             try:
-                claimed = await self.reclaimer.claim(capacity, held)
-            except REDIS_ERRORS as e:
-                logger.warning("reclaiming abandoned requests: Redis unavailable (%s)", e)
-                continue
-            for c in claimed:
-                msg = c.request
-                if msg is None:
-                    await self.ack(self.keys.requests, PREFILL_GROUP, c.entry_id)
-                elif c.num_deliveries > cfg.max_deliveries:
-                    logger.error("dead-lettering %s: delivered %d times", msg.req_id, c.num_deliveries)
-                    await self.reclaimer.dead_letter(c, f"delivered {c.num_deliveries} times")
-                    await self._finish_early(
-                        Tracked(msg, c.entry_id, _entry_time(c.entry_id)), "abort",
-                        f"the request failed on {c.num_deliveries - 1} workers; giving up",
-                    )
-                else:
-                    logger.warning("taking over %s from %s (delivery %d)", msg.req_id, c.previous_consumer,
-                                   c.num_deliveries)
-                    msg.num_deliveries = c.num_deliveries
-                    await self.admit(c.entry_id, msg)
+                for claimed in await self.reclaimer.claim(capacity, held):
+                    await self._take_over(claimed)
+            except (*REDIS_ERRORS, ResponseError) as e:
+                logger.warning("reclaiming abandoned requests: %s", e)
+
+    async def _take_over(self, claimed: Claimed) -> None:
+        msg = claimed.request
+        if msg is None:
+            await self.ack(self.keys.requests, PREFILL_GROUP, claimed.entry_id)
+        elif claimed.num_deliveries > self.settings.worker.max_deliveries:
+            logger.error("dead-lettering %s: delivered %d times", msg.req_id, claimed.num_deliveries)
+            await self.reclaimer.dead_letter(claimed, f"delivered {claimed.num_deliveries} times")
+            await self._finish_early(
+                Tracked(msg, claimed.entry_id, _entry_time(claimed.entry_id)), "abort",
+                f"the request failed on {claimed.num_deliveries - 1} workers; giving up",
+            )
+        else:
+            logger.warning("taking over %s from %s (delivery %d)", msg.req_id, claimed.previous_consumer,
+                           claimed.num_deliveries)
+            msg.num_deliveries = claimed.num_deliveries
+            await self.admit(claimed.entry_id, msg)
 
     # -- outputs ---------------------------------------------------------------------------------
 
@@ -224,6 +261,9 @@ class PrefillWorker(Worker):
             self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             self.metrics.time_to_first_token.observe(max(0.0, now - t.arrived_at))
+            self._tally.num_prefilled += 1
+            self._tally.num_prompt_tokens += out.num_prompt_tokens
+            self._tally.num_cached_tokens += out.num_cached_tokens
         # the first token goes out before the handoff starts: TTFT does not wait for decode
         await self.send_many([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
         for t, out in emitted:
@@ -248,8 +288,12 @@ class PrefillWorker(Worker):
         try:
             offer = await self._offer_message(t)
             decode_id, needed = await self._place(t, offer)
-            if decode_id is not None and needed is not None:
-                await self._transfer(t, decode_id, needed)
+            if decode_id is None or needed is None:
+                return
+            if t.cancelled:  # while the accept was on its way: that worker holds blocks for nothing
+                await self.send(self.keys.inbox(decode_id), Cancel(t.req_id, "cancelled during the handoff"))
+                return
+            await self._transfer(t, decode_id, needed)
         except Exception as e:
             if not t.cancelled:
                 logger.exception("handoff of %s failed", t.req_id)
@@ -305,8 +349,9 @@ class PrefillWorker(Worker):
         future = self.accepts.expect(t.req_id, t.msg.attempt, decode_id)
         try:
             await self.send(self.keys.inbox(decode_id), offer)
-            accept = await asyncio.wait_for(future, self.settings.worker.handoff_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.settings.worker.handoff_timeout_s):
+                accept = await future
+        except TimeoutError:
             logger.warning("decode worker %s did not answer the offer of %s in time", decode_id, t.req_id)
             return None
         finally:
@@ -337,7 +382,11 @@ class PrefillWorker(Worker):
         ttft_s = max(1e-6, time.time() - handoff_s - t.arrived_at)
         self.metrics.handoff_seconds.observe(handoff_s)
         self.metrics.handoff_bytes.inc(num_bytes)
-        logger.info(
+        self._tally.num_handoffs += 1
+        self._tally.num_handoff_bytes += num_bytes
+        self._tally.handoff_s += handoff_s
+        self._tally.ttft_s += ttft_s
+        logger.debug(
             "handed %s to %s: %d blocks, %.2f MiB in %.1f ms (%.0f MiB/s), %.0f%% of its TTFT of %.0f ms",
             t.req_id, decode_id, num_blocks, num_bytes / MIB, handoff_s * 1000,
             num_bytes / MIB / max(handoff_s, 1e-6), 100 * handoff_s / ttft_s, ttft_s * 1000,

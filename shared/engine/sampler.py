@@ -120,7 +120,8 @@ def _row_values(values: Sequence[float | None], dtype: torch.dtype, device: torc
     used = [(i, v) for i, v in enumerate(values) if v is not None]
     if not used:
         return None
-    return RowValues(_long([i for i, _ in used], device), torch.tensor([v for _, v in used], dtype=dtype, device=device))
+    values = torch.tensor([v for _, v in used], dtype=dtype, device=device)
+    return RowValues(_long([i for i, _ in used], device), values)
 
 
 def _random_rows(
@@ -293,10 +294,13 @@ def _apply_min_p(logits: Tensor, log_min_p: Tensor) -> Tensor:
 
 
 class Sampler:
-    """Picks one token per row. Greedy rows take exactly `argmax(process_logits(...))`."""
+    """Picks one token per row. Greedy rows take exactly `argmax(process_logits(...))`. A sampling
+    row's token depends only on its own logits, params, seed and len(output_token_ids), never on
+    the other rows of the batch or their order."""
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.shape == (batch.num_rows, batch.vocab_size), logits.shape
+        logits = logits.float()  # a no-op for float32; noise and logprobs need float32 precision
         if batch.is_plain_greedy:
             return SamplerOutput(_argmax(logits).tolist(), None, None)
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None  # [num_rows, vocab]

@@ -187,7 +187,7 @@ def test_top_k_never_samples_outside_the_top_k() -> None:
 
 def test_top_p_keeps_tokens_while_the_mass_ranked_above_is_below_p() -> None:
     logits = log_probs(0.15, 0.5, 0.05, 0.3)
-    rows = [make_row(SamplingParams(top_p=0.75)), make_row(SamplingParams(top_p=0.85)), make_row(SamplingParams(top_p=0.4))]
+    rows = [make_row(SamplingParams(top_p=p)) for p in (0.75, 0.85, 0.4)]
 
     filtered = filter_logits(logits.expand(3, 4), batch_of(rows, 4))
 
@@ -210,7 +210,9 @@ def test_top_p_renormalises_after_top_k() -> None:
     logits = log_probs(0.4, 0.3, 0.2, 0.1)
     row = make_row(SamplingParams(top_k=2, top_p=0.5))
 
-    assert torch.isfinite(filter_logits(logits.unsqueeze(0), batch_of([row], 4))).tolist() == [[True, False, False, False]]
+    kept = torch.isfinite(filter_logits(logits.unsqueeze(0), batch_of([row], 4)))
+
+    assert kept.tolist() == [[True, False, False, False]]
 
 
 def test_top_p_matches_a_full_sort_when_the_nucleus_exceeds_the_candidate_window() -> None:

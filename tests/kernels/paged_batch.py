@@ -49,7 +49,7 @@ def make_paged_batch(
     block_tables = torch.full((len(seq_lens), max(blocks_per_req) + 1), PADDING_BLOCK_ID, dtype=torch.int32)
     free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
     dense_k, dense_v = [], []
-    for i, (seq_len, num_req_blocks) in enumerate(zip(seq_lens, blocks_per_req)):
+    for i, (seq_len, num_req_blocks) in enumerate(zip(seq_lens, blocks_per_req, strict=True)):
         block_ids = torch.tensor([free_blocks.pop() for _ in range(num_req_blocks)], dtype=torch.int32)
         block_tables[i, :num_req_blocks] = block_ids
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)

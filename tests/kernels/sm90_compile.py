@@ -45,7 +45,8 @@ def _arg_type(value: Any) -> str:
 
 def compile_launch(kernel: Any, args: tuple[Any, ...], meta: dict[str, Any]) -> dict[str, Any]:
     names = kernel.arg_names
-    signature = {name: _arg_type(value) for name, value in zip(names, args)}
+    # constexprs come as keywords, so args is shorter than names
+    signature = {name: _arg_type(value) for name, value in zip(names, args, strict=False)}
     constexprs = {name: value for name, value in meta.items() if name not in _OPTION_NAMES}
     signature.update({name: "constexpr" for name in constexprs})
     options = {name: value for name, value in meta.items() if name in _OPTION_NAMES}

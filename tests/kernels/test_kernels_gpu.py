@@ -44,7 +44,8 @@ def test_extend_matches_ref(shape: tuple[int, int, int, int], dtype: torch.dtype
     # a decode, two fresh prompts and two prefills on cached prefixes
     seq_lens, query_lens = [700, 1, 300, 1500, 129], [1, 1, 300, 700, 128]
     batch = make_paged_batch(seq_lens, query_lens, *shape, dtype=dtype, device="cuda")
-    torch.testing.assert_close(paged_attention(*batch.args), paged_attention_ref(*batch.args), **ATTENTION_TOLERANCES[dtype])
+    out = paged_attention(*batch.args)
+    torch.testing.assert_close(out, paged_attention_ref(*batch.args), **ATTENTION_TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

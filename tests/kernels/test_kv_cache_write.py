@@ -50,8 +50,8 @@ def test_ref_writes_exactly_the_mapped_slots() -> None:
     key, value = _new_kv(3, 2, 2, 64, torch.float32)
     k_cache, v_cache = _caches(16, 2, 64, torch.float32)
     write_kv_cache(key, value, k_cache, v_cache, torch.tensor([17, 2, 95]))
-    assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(k_cache[0, 2], key[1]) and torch.equal(k_cache[5, 15], key[2])
-    assert torch.equal(v_cache[1, 1], value[0]) and torch.equal(v_cache[5, 15], value[2])
+    for i, (block_id, offset) in enumerate([(1, 1), (0, 2), (5, 15)]):
+        assert torch.equal(k_cache[block_id, offset], key[i]) and torch.equal(v_cache[block_id, offset], value[i])
     assert int(k_cache.isnan().all(dim=(2, 3)).sum()) == NUM_BLOCKS * 16 - 3
 
 

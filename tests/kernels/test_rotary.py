@@ -70,7 +70,7 @@ def test_returns_new_tensors_and_leaves_inputs_alone() -> None:
     ("positions", "cache", "message"),
     [
         (torch.zeros(3, dtype=torch.int32), torch.zeros(8, 64), "positions must be int64 \\[3\\]"),
-        (torch.zeros(3, dtype=torch.int64), torch.zeros(8, 32), "cos_sin_cache must be float32 \\[max_positions, 64\\]"),
+        (torch.zeros(3, dtype=torch.int64), torch.zeros(8, 32), "must be float32 \\[max_positions, 64\\]"),
         (torch.zeros(3, dtype=torch.int64), torch.zeros(8, 64, dtype=torch.float64), "cos_sin_cache must be float32"),
     ],
 )

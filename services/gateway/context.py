@@ -1,0 +1,79 @@
+"""The gateway's resources, built once at start-up and shared by every handler through `GATEWAY`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.admission import Admission
+from services.gateway.dispatcher import Dispatcher
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_info import ModelInfo
+from services.gateway.openai_schema import ApiError
+from services.gateway.replies import ReplyRouter
+from shared.settings import GatewayServiceSettings, GatewaySettings
+from shared.streams import Bus
+from shared.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Gateway:
+    settings: GatewaySettings
+    gateway_id: str
+    model: ModelInfo
+    tokenizer: Tokenizer
+    bus: Bus
+    router: ReplyRouter
+    dispatcher: Dispatcher
+    admission: Admission
+    metrics: GatewayMetrics
+    reader: asyncio.Task[None] | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` to its end even if the handler that started it is cancelled (client gone)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait_spawned(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model.name:
+            raise ApiError(
+                404, f"The model `{name}` does not exist; this server serves `{self.model.name}` (see /v1/models).",
+                param="model", code="model_not_found",
+            )
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+SETTINGS = web.AppKey("settings", GatewayServiceSettings)
+
+
+def default_gateway_id() -> str:
+    return f"gateway-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def build_gateway(settings: GatewayServiceSettings, model: ModelInfo, tokenizer: Tokenizer) -> Gateway:
+    cfg = settings.gateway
+    gateway_id = cfg.gateway_id or default_gateway_id()
+    bus = Bus(settings.redis)
+    router = ReplyRouter(bus, gateway_id)
+    admission = Admission(cfg.max_queued_requests, cfg.max_queued_prompt_tokens)
+    return Gateway(
+        settings=cfg, gateway_id=gateway_id, model=model, tokenizer=tokenizer, bus=bus, router=router,
+        dispatcher=Dispatcher(bus, router, gateway_id), admission=admission,
+        metrics=GatewayMetrics(model.name, lambda: admission.num_requests),
+    )  # fmt: skip

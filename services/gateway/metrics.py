@@ -1,0 +1,70 @@
+"""Prometheus metrics of a gateway: what clients experience, measured where they connect.
+
+Names follow vLLM's where the meaning matches (dashboards built for vLLM read these); the
+`llmd_*` ones are the gateway's own. Each gateway has its own registry, so several can live
+in one test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared.metrics import LATENCY_BUCKETS
+
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, queue_depth: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=self.registry).labels(**labels)
+
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "From an API request's arrival to its last token."
+        )
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "From an API request's arrival to its first output token."
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Gap between successive tokens of one request.", TOKEN_GAP_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "From an API request's arrival to its requests being on the requests stream (validation, "
+            "tokenisation, admission); the wait for a prefill worker shows in the time to first token.",
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests (once per prompt).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Output tokens delivered to clients.")
+        self.cancellations = Counter(
+            "llmd_cancellations", "Requests the gateway cancelled on the workers, by reason.",
+            ["model_name", "reason"], registry=self.registry,
+        )
+        self.requests_rejected = counter("llmd_requests_rejected", "API requests answered 429 (gateway at capacity).")
+        self.worker_tokens = Counter(
+            "llmd_worker_tokens", "Output tokens received, by the worker that produced them.",
+            ["model_name", "worker_id"], registry=self.registry,
+        )
+        self._model_name = model_name
+        queue = Gauge("llmd_queue_depth", "Requests in flight on the workers (admitted, not finished).",
+                      ["model_name"], registry=self.registry)
+        queue.labels(**labels).set_function(queue_depth)
+
+    def cancelled(self, reason: str) -> None:
+        self.cancellations.labels(model_name=self._model_name, reason=reason).inc()
+
+    def tokens_from(self, worker_id: str, num_tokens: int) -> None:
+        self.worker_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

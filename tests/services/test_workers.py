@@ -1,0 +1,311 @@
+"""Prefill and decode workers as real subprocesses on a real Redis with the real model; the test
+plays the gateway (and, for the handoff-timeout test, a prefill worker) through the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from services.decode.worker import DecodeWorker
+from services.kv_connector import RedisKVConnector
+from services.launcher import RedisServer, Stack, StackConfig
+from services.prefill.placement import AcceptBoard, DecodePicker
+from services.prefill.worker import PrefillWorker
+from services.worker_base import EngineThread, Worker, create_health_app
+from shared.engine.engine import EngineStats, RequestOutput
+from shared.engine.kv_cache_manager import KVCacheStats
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import LoadedModel
+from shared.protocol import Cancel, HandoffAccept, HandoffOffer, KVReady, Message, WorkerStatus
+from shared.settings import RedisSettings, WorkerServiceSettings, WorkerSettings
+from shared.streams import INBOX_GROUP, with_backoff
+from tests.services.stack_client import REDIS_URL, FakeGateway, block_bytes, eventually, offline_greedy
+
+pytestmark = pytest.mark.timeout(600)
+
+NUM_BLOCKS = 96
+HANDOFF_TIMEOUT_S = 3.0
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [(offset * 7919 + i * 104729) % 49000 + 50 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def stack(loaded_model: LoadedModel) -> Iterator[Stack]:
+    config = StackConfig(
+        num_prefill=2, num_decode=2, gateway=False, redis_url=REDIS_URL, namespace=f"test-workers-{uuid.uuid4().hex[:8]}",
+        env={
+            "LLMD_KV_CACHE__MEMORY_BYTES": str(NUM_BLOCKS * block_bytes(loaded_model)),
+            "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
+            "LLMD_WORKER__HEARTBEAT_TTL_S": "2",
+            "LLMD_WORKER__HANDOFF_TIMEOUT_S": str(HANDOFF_TIMEOUT_S),
+        },
+    )
+    with Stack(config) as stack:
+        yield stack
+        assert stack.exited() == {}, "a worker died during the tests"
+
+
+@pytest.fixture
+async def gateway(stack: Stack) -> AsyncIterator[FakeGateway]:
+    gateway = FakeGateway(stack.namespace, gateway_id=f"gw-{uuid.uuid4().hex[:6]}")
+    yield gateway
+    await gateway.close()
+
+
+async def test_tokens_equal_the_offline_engine_and_the_first_comes_from_prefill(
+    gateway: FakeGateway, loaded_model: LoadedModel
+) -> None:
+    prompts = [prompt(5), prompt(16, 1), prompt(37, 2)]
+    for i, p in enumerate(prompts):
+        await gateway.submit(f"greedy-{i}", p, GREEDY)
+    replies = await gateway.finish(*(f"greedy-{i}" for i in range(len(prompts))))
+
+    expected = offline_greedy(loaded_model, prompts, GREEDY)
+    for i, reply in enumerate(replies.values()):
+        assert reply.token_ids == expected[i]
+        assert reply.error is None
+        first, *rest = reply.updates
+        assert (first.index, first.worker_id.split("-")[0]) == (0, "prefill")
+        assert {u.worker_id.split("-")[0] for u in rest} == ({"decode"} if rest else set())
+        assert reply.finish_reason == ("length" if len(expected[i]) == GREEDY.max_tokens else "stop")
+    await gateway.until_all_blocks_free()
+
+
+async def test_sixteen_concurrent_requests_complete_and_every_worker_serves_some(
+    gateway: FakeGateway, loaded_model: LoadedModel
+) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [prompt(8 + 3 * i, 100 + i) for i in range(16)]
+    await gateway.submit_many({f"many-{i}": p for i, p in enumerate(prompts)}, params)
+    replies = await gateway.finish(*(f"many-{i}" for i in range(16)))
+
+    expected = offline_greedy(loaded_model, prompts, params)
+    assert [r.token_ids for r in replies.values()] == expected
+    assert all(r.finish_reason == "length" for r in replies.values())
+    served = {w for r in replies.values() for w in r.worker_ids}
+    assert served == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+    await gateway.until_all_blocks_free()
+
+
+async def test_cancel_frees_the_decode_workers_blocks(gateway: FakeGateway) -> None:
+    await gateway.submit("doomed", prompt(40, 3), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    reply = gateway.replies["doomed"]
+    await gateway.until(lambda: len(reply.tokens) >= 3, "decode tokens of the doomed request")
+    decode_id = reply.worker_ids[-1]
+    assert decode_id.startswith("decode-")
+
+    await gateway.cancel(decode_id, "doomed")
+
+    await gateway.until_all_blocks_free()
+    await gateway.poll()
+    assert reply.finish_reason is None and len(reply.tokens) < 500
+
+
+async def test_cancel_mark_and_expired_deadline_answer_without_running(gateway: FakeGateway) -> None:
+    await gateway.bus.redis.set(gateway.keys.cancelled("marked"), b"1", ex=60)
+    await gateway.submit("marked", prompt(12), GREEDY)
+    await gateway.submit("late", prompt(12), GREEDY, deadline=time.time() - 1)
+    await gateway.submit("bad", [1, 2, 10**7], GREEDY)
+
+    replies = await gateway.finish("marked", "late", "bad")
+
+    assert [(r.token_ids, r.finish_reason) for r in replies.values()] == [([], "abort")] * 3
+    assert replies["marked"].error is None
+    assert "deadline" in (replies["late"].error or "")
+    assert "outside the vocabulary" in (replies["bad"].error or "")
+
+
+async def test_reservation_without_kv_is_freed_after_the_handoff_timeout(gateway: FakeGateway) -> None:
+    """The test plays a prefill worker that dies after its offer was accepted."""
+    await gateway.until_all_blocks_free()
+    decode = (await gateway.workers("decode"))[0]
+    ghost = f"ghost-prefill-{uuid.uuid4().hex[:6]}"
+    offer = HandoffOffer(
+        req_id="orphan", attempt=0, gateway_id=gateway.gateway_id, prefill_id=ghost,
+        prompt_token_ids=prompt(40, 4), output_token_ids=[42], output_logprobs=[], output_top_logprobs=[],
+        params=GREEDY.to_dict(), seed=1, num_cached_tokens=0, num_blocks=3,
+    )
+    await gateway.bus.send(decode.inbox, offer)
+    accept = await _read_one(gateway, gateway.keys.inbox(ghost))
+    assert accept == HandoffAccept("orphan", 0, decode.worker_id, needed_blocks=[0, 1, 2])
+    await gateway.until_status(
+        lambda ss: _status(ss, decode.worker_id).free_blocks == decode.total_blocks - 3, "decode", "the reservation"
+    )
+
+    await gateway.until_status(
+        lambda ss: _status(ss, decode.worker_id).free_blocks == decode.total_blocks, "decode", "the reservation to lapse"
+    )
+
+    # KV that turns up after the reservation lapsed is dropped, bytes included
+    connector = RedisKVConnector(gateway.bus.redis, gateway.keys, ttl_s=60)
+    location = await connector.put("orphan", 0, torch.zeros(3, 1))
+    await gateway.bus.send(decode.inbox, KVReady("orphan", 0, [0, 1, 2], location, 12))
+    await eventually(lambda: _missing(gateway, location), "the late KV bytes to be discarded")
+    assert gateway.replies.get("orphan") is None
+
+
+async def _read_one(gateway: FakeGateway, stream: str) -> object:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        entries = await gateway.bus.read(stream, b"0", 1, 200)
+        if entries:
+            return entries[0][1]
+    raise AssertionError(f"nothing arrived on {stream}")
+
+
+async def _missing(gateway: FakeGateway, key: str) -> bool:
+    return not await gateway.bus.redis.exists(key)
+
+
+def _status(statuses: list[WorkerStatus], worker_id: str) -> WorkerStatus:
+    return next(s for s in statuses if s.worker_id == worker_id)
+
+
+# -- in-process pieces: no model needed ------------------------------------------------------------
+
+
+class FakeEngine:
+    """Just what EngineThread reads: stats and a step."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_waiting = 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, self.num_waiting, 0, KVCacheStats(8, 0, 0, 8, 0, 0, 0, 0))
+
+    def step(self) -> list[RequestOutput]:
+        return []
+
+    def hold_work(self) -> None:
+        self.num_waiting = 1
+
+    def drop_work(self) -> None:
+        self.num_waiting = 0
+
+
+async def test_engine_thread_runs_every_call_on_one_thread_and_tells_stalls_from_idleness() -> None:
+    thread = EngineThread()
+    engine = FakeEngine()
+    thread._engine = engine  # type: ignore[assignment]
+    names = {await thread.call(lambda: threading.current_thread().name) for _ in range(5)}
+    assert len(names) == 1 and names.pop().startswith("engine")
+    assert thread.stalled_s() == 0.0  # idle is not a stall
+
+    await thread.call(engine.hold_work)
+    assert thread.has_work and thread.stats is not None and thread.stats.num_waiting == 1
+    await eventually(_async(lambda: thread.stalled_s() > 0.0), "work that nobody steps to count as a stall")
+    stalled_s = thread.stalled_s()
+
+    await thread.step()  # a step that schedules nothing still proves the engine is alive
+    assert thread.stalled_s() < stalled_s
+    await thread.call(engine.drop_work)
+    assert (thread.has_work, thread.stalled_s()) == (False, 0.0)
+    thread.shutdown()
+
+
+def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def run() -> bool:
+        return check()
+
+    return run
+
+
+class FakeBus:
+    def __init__(self, statuses: list[WorkerStatus]) -> None:
+        self.statuses = statuses
+
+    async def live_workers(self, role: str) -> list[WorkerStatus]:
+        assert role == "decode"
+        return self.statuses
+
+
+def decode_status(worker_id: str, free_blocks: int, num_running: int, draining: bool = False) -> WorkerStatus:
+    return WorkerStatus(worker_id, "decode", f"inbox:{worker_id}", free_blocks, 100, num_running, 0,
+                        timestamp=time.time() - 1, draining=draining)
+
+
+async def test_decode_picker_prefers_free_blocks_then_fewer_running_and_counts_its_own_placements() -> None:
+    picker = DecodePicker(FakeBus([  # type: ignore[arg-type]
+        decode_status("d-a", free_blocks=50, num_running=1),
+        decode_status("d-b", free_blocks=60, num_running=3),
+        decode_status("d-c", free_blocks=60, num_running=2),
+        decode_status("d-draining", free_blocks=100, num_running=0, draining=True),
+    ]))
+    assert [s.worker_id for s in await picker.candidates(num_blocks=4)] == ["d-c", "d-b", "d-a"]
+    assert await picker.candidates(num_blocks=101) == []
+
+    picker.record("d-c", 20)  # not in d-c's heartbeat yet: 40 free, 3 running as far as we know
+
+    assert [s.worker_id for s in await picker.candidates(num_blocks=4)] == ["d-b", "d-a", "d-c"]
+
+
+async def test_accept_board_hands_an_answer_only_to_the_handoff_that_asked_that_worker() -> None:
+    board = AcceptBoard()
+    future = board.expect("r", 1, "d-a")
+
+    assert not board.resolve(HandoffAccept("r", 1, "d-b", [0]))  # a worker we no longer wait for
+    assert not board.resolve(HandoffAccept("r", 0, "d-a", [0]))  # an older attempt
+    assert board.resolve(HandoffAccept("r", 1, "d-a", [0, 1]))
+    assert (await future).needed_blocks == [0, 1]
+    board.forget("r", 1)
+    assert not board.resolve(HandoffAccept("r", 1, "d-a", [0, 1]))
+
+
+async def test_a_reader_survives_redis_restarting_and_recreates_its_consumer_group() -> None:
+    server = RedisServer()
+    url = await asyncio.to_thread(server.start)
+    worker = DecodeWorker(WorkerServiceSettings(
+        redis=RedisSettings(url=url, namespace="restart", socket_timeout_s=1), worker=WorkerSettings(worker_id="d-r")
+    ))
+    got: list[str] = []
+
+    async def handle(entry_id: bytes, msg: Message | None) -> None:
+        assert isinstance(msg, Cancel)
+        got.append(msg.req_id)
+        await worker.ack(worker.inbox, INBOX_GROUP, entry_id)
+
+    try:
+        await worker.setup()
+        reader = asyncio.create_task(worker.consume(worker.inbox, INBOX_GROUP, handle, lambda: 8, worker.stopped))
+        await worker.bus.send(worker.inbox, Cancel("before"))
+        await eventually(_async(lambda: got == ["before"]), "the first message")
+
+        await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(server.start)  # same port, empty: the stream and its group are gone
+        await with_backoff(lambda: worker.bus.send(worker.inbox, Cancel("after")), "send")
+
+        await eventually(_async(lambda: got == ["before", "after"]), "a message after the restart")
+        worker.stopped.set()
+        await reader
+    finally:
+        await worker.bus.close()
+        worker.engine.shutdown()
+        await asyncio.to_thread(server.stop)
+
+
+@pytest.mark.parametrize("worker_cls", [PrefillWorker, DecodeWorker])
+async def test_health_is_503_until_the_engine_loads_and_metrics_use_vllm_names(worker_cls: type[Worker]) -> None:
+    settings = WorkerServiceSettings(redis=RedisSettings(url=REDIS_URL, namespace="test-health"))
+    worker = worker_cls(settings)
+    async with TestClient(TestServer(create_health_app(worker))) as client:
+        health = await client.get("/health")
+        assert (health.status, (await health.json())["status"]) == (503, "loading")
+        metrics = await (await client.get("/metrics")).text()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "llmd_handoff_bytes_total", "llmd_handoff_seconds_bucket"):
+        assert f"\n{name}{{" in metrics, name
+    await worker.bus.close()
+    worker.engine.shutdown()
