@@ -64,12 +64,12 @@ def run_engine(engine: Engine, work: list[WorkItem]) -> EngineResult:
     output_tokens = steps = 0
     start = time.perf_counter()
     while engine.has_unfinished:
-        running = list(engine.scheduler.running)
         output_tokens += len(engine.step())
         steps += 1
+        running = engine.scheduler.running
         live = sum(r.num_computed_tokens for r in running)
         if live:
-            paged.append(live / (sum(len(engine.kv_cache.blocks(r.req_id)) for r in running) * engine.block_size or 1))
+            paged.append(live / (sum(len(engine.kv_cache.blocks(r.req_id)) for r in running) * engine.block_size))
             reserved.append(live / sum(max_len[r.req_id] for r in running))
         if steps % 20 == 0:
             print(f"  step {steps}: {output_tokens} tokens out, {len(running)} running", file=sys.stderr)
@@ -79,7 +79,7 @@ def run_engine(engine: Engine, work: list[WorkItem]) -> EngineResult:
         seconds=seconds,
         output_tokens=output_tokens,
         steps=steps,
-        paged_kv_utilization=min(1.0, sum(paged) / len(paged)),
+        paged_kv_utilization=sum(paged) / len(paged),
         reserved_kv_utilization=sum(reserved) / len(reserved),
         preemptions=engine.stats().num_preemptions,
     )

@@ -34,6 +34,7 @@ from typing import Self
 
 import redis
 
+from shared.settings import RedisSettings
 from shared.streams import Keys
 
 logger = logging.getLogger("launcher")
@@ -55,7 +56,7 @@ class StackConfig:
     model: str = "default"
     dtype: str = "auto"
     gateway: bool = True
-    redis_url: str | None = None  # None: $REDIS_URL, else a private server
+    redis_url: str | None = None  # None: $REDIS_URL or $LLMD_REDIS__URL, else a private server
     namespace: str | None = None  # None: LLMD_REDIS__NAMESPACE or the settings' default
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every child
     ready_timeout_s: float = 300.0
@@ -157,9 +158,9 @@ class Stack:
         self.config = config
         self.children: dict[str, Child] = {}
         self.base_url: str | None = None
-        self.redis_url = config.redis_url or os.environ.get("REDIS_URL")
+        self.redis_url = config.redis_url or os.environ.get("REDIS_URL") or os.environ.get("LLMD_REDIS__URL")
         self.namespace = config.namespace or config.env.get("LLMD_REDIS__NAMESPACE") or os.environ.get(
-            "LLMD_REDIS__NAMESPACE", "llmd"
+            "LLMD_REDIS__NAMESPACE", RedisSettings().namespace
         )
         self.keys = Keys(self.namespace)
         self._redis_server: RedisServer | None = None

@@ -1,5 +1,5 @@
-"""What the prefill and decode workers share: the engine thread, the heartbeat, /health and
-/metrics, stream consumption that survives Redis restarts, signals and the lifecycle
+"""What the prefill and decode workers share: the heartbeat, stream consumption that survives
+Redis restarts, signals, the /health and /metrics server and the lifecycle
 
     start (health server, model, consumer groups) -> serve -> drain (SIGTERM) -> deregister -> exit 0
 
@@ -19,108 +19,27 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from aiohttp import web
 from redis.exceptions import ResponseError
 
-from shared.engine.engine import Engine, EngineStats, RequestOutput
+from services.engine_thread import EngineThread
+from services.health import create_health_app
+from shared.engine.engine import RequestOutput
 from shared.metrics import WorkerMetrics
-from shared.model.loader import ModelNotFoundError, load_model, resolve_model_path
+from shared.model.loader import ModelNotFoundError, resolve_model_path
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
 from shared.settings import WorkerServiceSettings
 from shared.streams import INBOX_GROUP, REDIS_ERRORS, Bus, with_backoff
-from shared.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Handler = Callable[[bytes, Message | None], Awaitable[None]]
 READ_BLOCK_MS = 200  # how long a read may block: bounds how late a worker notices it should stop
 TRIM_EVERY_BEATS = 20
 REPORT_EVERY_S = 10.0
-
-
-class EngineThread:
-    """The only door to the engine. One dedicated thread runs every call in submission order, so
-    the engine is never touched concurrently and the event loop never waits on the model.
-
-    After each call the thread snapshots `stats`, so heartbeats and /metrics read the load
-    without queueing behind a long step. It also tells a hung engine (a call that never returns,
-    or work held while nobody steps) from a busy one (`stalled_s`); a step that finds nothing it
-    can schedule, e.g. while blocks wait for a handoff, still counts as a step.
-    """
-
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._engine: Engine | None = None
-        self.stats: EngineStats | None = None
-        self.num_steps = 0  # steps that computed something
-        self._busy_since: float | None = None
-        self._stepped_at = time.monotonic()
-
-    @property
-    def engine(self) -> Engine:
-        assert self._engine is not None, "the engine is not loaded yet"
-        return self._engine
-
-    @property
-    def is_loaded(self) -> bool:
-        return self._engine is not None
-
-    @property
-    def has_work(self) -> bool:
-        return self.stats is not None and self.stats.num_running + self.stats.num_waiting > 0
-
-    async def load(self, settings: WorkerServiceSettings) -> Engine:
-        self._engine = await self.call(load_engine, settings)
-        await self.call(lambda: None)  # first stats snapshot
-        return self._engine
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
-
-    async def step(self) -> list[RequestOutput]:
-        return await self.call(self._step)
-
-    def _step(self) -> list[RequestOutput]:
-        outputs = self.engine.step()
-        self._stepped_at = time.monotonic()
-        return outputs
-
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        start = time.monotonic()
-        self._busy_since = start
-        if not self.has_work:
-            self._stepped_at = start  # idle time is not a stall
-        try:
-            return fn(*args)
-        finally:
-            if self._engine is not None:
-                self.stats = self._engine.stats()
-                self.num_steps = self._engine.num_steps
-            self._busy_since = None
-
-    def stalled_s(self) -> float:
-        """How long one call has been running, or the engine has held work that nobody stepped."""
-        now = time.monotonic()
-        busy_since = self._busy_since
-        stalled = now - busy_since if busy_since is not None else 0.0
-        return max(stalled, now - self._stepped_at) if self.has_work else stalled
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def load_engine(settings: WorkerServiceSettings) -> Engine:
-    loaded = load_model(settings.model.path)
-    engine = Engine(settings.engine, loaded)
-    # the tokenizer may know more end-of-turn ids than the model header; stop where the offline LLM stops
-    tokenizer = Tokenizer.from_path(str(loaded.path))
-    engine.set_eos_token_ids(tuple(tokenizer.eos_token_ids) + engine.eos_token_ids)
-    return engine
 
 
 def default_worker_id(role: str) -> str:
@@ -172,6 +91,7 @@ class Worker:
         self.engine = EngineThread()
         self.metrics = WorkerMetrics(model_name(settings), self.worker_id)
         self.draining = False
+        self.failed = False  # a loop crashed: the process exits 1 so that a supervisor restarts it
         self.health_port: int | None = None
         self.stopping = asyncio.Event()  # first SIGTERM/SIGINT: drain
         self.stopped = asyncio.Event()  # second signal, or drained: stop now
@@ -268,8 +188,17 @@ class Worker:
 
     def _spawn_forever(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=getattr(coro, "__qualname__", None))
-        task.add_done_callback(_log_crash)
+        task.add_done_callback(self._on_loop_done)
         return task
+
+    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # a worker missing one of its loops would look alive while doing nothing: stop instead
+        logger.critical("loop %s crashed; stopping the worker", task.get_name(), exc_info=task.exception())
+        self.failed = True
+        self.stopping.set()
+        self.stopped.set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A short-lived task the worker waits for before it counts as idle."""
@@ -295,8 +224,7 @@ class Worker:
                 self._work.clear()
                 continue
             num_steps = self.engine.num_steps
-            # an engine error ends this loop: the worker then counts as stuck and stops heartbeating
-            outputs = await self.engine.step()
+            outputs = await self.engine.step()  # an engine error ends the loop, and with it the worker
             if outputs:
                 try:
                     await self.on_outputs(outputs)
@@ -325,10 +253,13 @@ class Worker:
                 entries = await self.bus.read_group(stream, group, self.worker_id, count, READ_BLOCK_MS)
                 delay = 0.05
             except ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                logger.warning("consumer group %s of %s is gone (Redis restarted?); recreating it", group, stream)
-                await with_backoff(self.setup, "recreating consumer groups", self.stopped)
+                if "NOGROUP" in str(e):
+                    logger.warning("consumer group %s of %s is gone (Redis restarted?); recreating it", group, stream)
+                    await with_backoff(self.setup, "recreating consumer groups", self.stopped)
+                    continue
+                logger.warning("reading %s: %s; retrying in %.2fs", stream, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
                 continue
             except REDIS_ERRORS as e:
                 logger.warning("reading %s: Redis unavailable (%s); retrying in %.2fs", stream, e, delay)
@@ -432,28 +363,10 @@ class Worker:
             return 503, {**body, "status": "stuck", "stalled_s": round(stalled_s, 1)}
         return 200, {**body, "status": "draining" if self.draining else "ok"}
 
-
-WORKER_KEY = web.AppKey("worker", Worker)
-
-
-def create_health_app(worker: Worker) -> web.Application:
-    app = web.Application()
-    app[WORKER_KEY] = worker
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
-    return app
-
-
-async def _health(request: web.Request) -> web.Response:
-    status, body = request.app[WORKER_KEY].health()
-    return web.json_response(body, status=status)
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    worker = request.app[WORKER_KEY]
-    if worker.engine.stats is not None:
-        worker.metrics.observe_engine(worker.engine.stats)
-    return web.Response(body=worker.metrics.render(), headers={"Content-Type": worker.metrics.content_type})
+    def render_metrics(self) -> tuple[bytes, str]:
+        if self.engine.stats is not None:
+            self.metrics.observe_engine(self.engine.stats)
+        return self.metrics.render(), self.metrics.content_type
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
@@ -483,3 +396,4 @@ def main(worker_cls: type[Worker]) -> None:
     except ModelNotFoundError as e:
         logger.error("%s", e)
         sys.exit(1)
+    sys.exit(1 if worker.failed else 0)

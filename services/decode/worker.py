@@ -5,8 +5,9 @@
     inbox --Cancel--------> abort: its blocks are free before the next step
     every step -----------> one TokenBatch per gateway, sent while the next step runs
 
-A reservation whose KVReady does not come within handoff_timeout_s is aborted, so a prefill
-worker that dies mid-handoff cannot pin blocks here.
+A reservation whose KVReady does not come within handoff_timeout_s is aborted and the gateway
+told, so a prefill worker that dies mid-handoff can neither pin blocks here nor leave its
+request hanging.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class DecodeWorker(Worker):
         if held is not None and held.offer.attempt == offer.attempt:  # re-offered after our answer got lost
             await self._answer(offer, held.needed_blocks)
             return
-        known_attempt = held.offer.attempt if held else (a.attempt if (a := self._active.get(offer.req_id)) else None)
+        known_attempt = self._known_attempt(offer.req_id)
         if known_attempt is not None:
             if known_attempt > offer.attempt:
                 await self._answer(offer, None)
@@ -142,6 +143,13 @@ class DecodeWorker(Worker):
             await self._abort(offer.req_id, f"superseded by attempt {offer.attempt}")
         needed = None if self.draining else await self._reserve(offer)
         await self._answer(offer, needed)
+
+    def _known_attempt(self, req_id: str) -> int | None:
+        if (held := self._reserved.get(req_id)) is not None:
+            return held.offer.attempt
+        if (active := self._active.get(req_id)) is not None:
+            return active.attempt
+        return None
 
     async def _reserve(self, offer: HandoffOffer) -> list[int] | None:
         try:
@@ -167,8 +175,11 @@ class DecodeWorker(Worker):
         if held is None or held.offer.attempt != attempt:
             return
         del self._reserved[req_id]
-        logger.warning("no KV for %s from %s in time; freeing its reserved blocks", req_id, held.offer.prefill_id)
+        error = f"its KV did not arrive from {held.offer.prefill_id} within {self.settings.worker.handoff_timeout_s}s"
+        logger.warning("giving up on %s: %s; its reserved blocks are free", req_id, error)
         self.spawn(self.engine.call(self.engine.engine.abort_request, req_id))
+        # the gateway hears of it, so the request ends (or is re-run) instead of waiting for its deadline
+        self.spawn(self._fail(held.offer, error))
 
     async def _on_kv_ready(self, msg: KVReady) -> None:
         held = self._reserved.get(msg.req_id)

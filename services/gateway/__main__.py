@@ -23,10 +23,14 @@ def main() -> None:
         level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s"
     )
     cfg = settings.gateway
+
+    def announce(_: str) -> None:
+        logger.info("listening on http://%s:%d", cfg.host, cfg.port)
+
     try:
         web.run_app(
             create_app(settings), host=cfg.host, port=cfg.port, handler_cancellation=True, access_log=None,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=lambda text: logger.info("listening on http://%s:%d", cfg.host, cfg.port),
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=announce,
         )  # fmt: skip
     except ModelNotFoundError as e:
         logger.error("%s", e)

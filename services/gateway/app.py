@@ -41,14 +41,16 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
     async def resources(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         model = await asyncio.to_thread(load_model_info, settings.model)
-        if tokenizer is None:
-            loaded = await asyncio.to_thread(Tokenizer.from_path, str(model.path))
-        gw = build_gateway(settings, model, tokenizer if tokenizer is not None else loaded)
+        if tokenizer is not None:
+            gw = build_gateway(settings, model, tokenizer)
+        else:
+            gw = build_gateway(settings, model, await asyncio.to_thread(Tokenizer.from_path, str(model.path)))
         app[GATEWAY] = gw
         gw.reader = asyncio.create_task(gw.router.run(), name="replies-reader")
         gw.reader.add_done_callback(_log_reader_exit)
         _log_start(settings, gw.gateway_id, model.name, model.max_model_len)
         yield
+        gw.router.stop()
         gw.reader.cancel()
         await asyncio.gather(gw.reader, return_exceptions=True)
         await gw.wait_spawned()  # cancels on their way to the workers

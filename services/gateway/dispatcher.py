@@ -28,7 +28,8 @@ class Dispatcher:
         for req in reqs:
             self._router.register(req)  # before the XADD, so no reply can arrive unrouted
         try:
-            await asyncio.gather(*(self._bus.send(self._bus.keys.requests, r.to_message(self.gateway_id)) for r in reqs))
+            stream = self._bus.keys.requests
+            await asyncio.gather(*(self._bus.send(stream, req.to_message(self.gateway_id)) for req in reqs))
         except REDIS_ERRORS as e:
             for req in reqs:
                 self._router.unregister(req.req_id)

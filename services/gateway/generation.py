@@ -180,7 +180,9 @@ class Generation:
 
     async def _next_update(self) -> TokenUpdate:
         try:
-            return await asyncio.wait_for(self._replies.get(), max(0.0, self._deadline - time.time()))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the cancel of a client that left
+            async with asyncio.timeout(self._deadline - time.time()):
+                return await self._replies.get()
         except TimeoutError:
             self.abandon("deadline")
             timeout_s = self._gw.settings.request_timeout_s

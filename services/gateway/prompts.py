@@ -32,7 +32,9 @@ async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool 
     return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
-async def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+async def encode_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """The messages rendered by the model's chat template, as token ids."""
     try:
         return await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt)

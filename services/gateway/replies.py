@@ -26,6 +26,7 @@ class ReplyRouter:
         self._bus = bus
         self.stream = bus.keys.replies(gateway_id)
         self._requests: dict[str, InflightRequest] = {}
+        self._stopping = asyncio.Event()
 
     def register(self, req: InflightRequest) -> None:
         self._requests[req.req_id] = req
@@ -33,17 +34,18 @@ class ReplyRouter:
     def unregister(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 
-    @property
-    def num_registered(self) -> int:
-        return len(self._requests)
+    def stop(self) -> None:
+        """Make `run` return after the read in progress. Cancelling alone is not enough: on Python
+        3.11 a cancel that lands while redis-py sends a command can be swallowed (asyncio.wait_for)."""
+        self._stopping.set()
 
     async def run(self) -> None:
-        """Route replies until cancelled; rides out Redis outages with backoff."""
+        """Route replies until stopped; rides out Redis outages with backoff."""
         # entries left by an earlier process with this gateway id answer requests nobody waits for
-        await with_backoff(lambda: self._bus.redis.delete(self.stream), f"clearing {self.stream}")
+        await with_backoff(lambda: self._bus.redis.delete(self.stream), f"clearing {self.stream}", self._stopping)
         last_id = b"0-0"
         delay = 0.05
-        while True:
+        while not self._stopping.is_set():
             try:
                 entries = await self._bus.read(self.stream, last_id, READ_COUNT, READ_BLOCK_MS)
                 if entries:

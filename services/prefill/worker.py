@@ -19,7 +19,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -27,6 +26,7 @@ from redis.exceptions import ResponseError
 from services.kv_connector import RedisKVConnector
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
+from services.prefill.tracked import MIB, Tally, Tracked, entry_time
 from services.worker_base import Worker, token_update
 from shared.engine.engine import InvalidRequestError, RequestOutput
 from shared.engine.sampling_params import SamplingParamsError
@@ -47,62 +47,6 @@ logger = logging.getLogger(__name__)
 
 INTAKE_BATCH = 4  # entries per read: small, so that idle prefill workers share a burst
 MAX_REMEMBERED_HANDOFFS = 4096
-MIB = 2**20
-
-
-@dataclass(slots=True)
-class Tally:
-    """What the worker did since its last report."""
-
-    num_prefilled: int = 0
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_handoffs: int = 0
-    num_handoff_bytes: int = 0
-    handoff_s: float = 0.0
-    ttft_s: float = 0.0
-
-    def line(self, interval_s: float) -> str | None:
-        if not self.num_prefilled and not self.num_handoffs:
-            return None
-        line = (
-            f"last {interval_s:.0f}s: prefilled {self.num_prefilled} requests ({self.num_prompt_tokens} prompt tokens, "
-            f"{100 * self.num_cached_tokens / max(1, self.num_prompt_tokens):.0f}% from the prefix cache)"
-        )
-        if self.num_handoffs:
-            line += (
-                f"; {self.num_handoffs} handoffs moved {self.num_handoff_bytes / MIB:.1f} MiB at "
-                f"{self.num_handoff_bytes / MIB / max(self.handoff_s, 1e-6):.0f} MiB/s, "
-                f"{1000 * self.handoff_s / self.num_handoffs:.0f} ms each, "
-                f"{100 * self.handoff_s / max(self.ttft_s, 1e-6):.0f}% of TTFT"
-            )
-        return line
-
-
-@dataclass(slots=True, eq=False)
-class Tracked:
-    """A request this worker has read and not yet acknowledged."""
-
-    msg: GenerateRequest
-    entry_id: bytes
-    arrived_at: float  # unix time it entered the requests stream
-    prefilled_at: float | None = None  # monotonic
-    decode_id: str | None = None  # the decode worker that reserved blocks for it
-    cancelled: bool = False
-    handoff: asyncio.Task[None] | None = None
-
-    @property
-    def req_id(self) -> str:
-        return self.msg.req_id
-
-    @property
-    def first_index(self) -> int:
-        """Output position of the token this worker samples: a re-run continues after the streamed tokens."""
-        return len(self.msg.output_token_ids)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return len(self.msg.prompt_token_ids) + len(self.msg.output_token_ids)
 
 
 class PrefillWorker(Worker):
@@ -178,7 +122,7 @@ class PrefillWorker(Worker):
             await self._cancel(known, f"superseded by attempt {msg.attempt}")
             # the old attempt's handoff, if any, fails at its next engine call and cleans up after itself
             await self.engine.call(self.engine.engine.abort_request, msg.req_id)
-        tracked = Tracked(msg, entry_id, arrived_at=_entry_time(entry_id))
+        tracked = Tracked(msg, entry_id, arrived_at=entry_time(entry_id))
         refusal = await self._refusal(msg)
         if refusal is not None:
             await self._finish_early(tracked, *refusal)
@@ -236,7 +180,7 @@ class PrefillWorker(Worker):
             logger.error("dead-lettering %s: delivered %d times", msg.req_id, claimed.num_deliveries)
             await self.reclaimer.dead_letter(claimed, f"delivered {claimed.num_deliveries} times")
             await self._finish_early(
-                Tracked(msg, claimed.entry_id, _entry_time(claimed.entry_id)), "abort",
+                Tracked(msg, claimed.entry_id, entry_time(claimed.entry_id)), "abort",
                 f"the request failed on {claimed.num_deliveries - 1} workers; giving up",
             )
         else:
@@ -443,8 +387,3 @@ class PrefillWorker(Worker):
             await self.engine.call(self.engine.engine.abort_request, t.req_id)
             await self._forget(t, release=False)
         # otherwise the output handler or the handoff task sees `cancelled` and cleans up
-
-
-def _entry_time(entry_id: bytes) -> float:
-    """When Redis appended the entry (its id is milliseconds-sequence)."""
-    return int(entry_id.split(b"-")[0]) / 1000

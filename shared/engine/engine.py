@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,10 +84,22 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # measured on CPU (docs/benchmarks.md): float32 is faster than bfloat16 for small models there
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16
+    # measured (docs/benchmarks.md): with native bf16 matrix units (AMX, AVX512-BF16) bfloat16
+    # runs the engine about twice as fast as float32; without them bf16 is emulated and slower
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -129,7 +141,7 @@ class Engine:
             SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill),
             self.kv_cache,
         )
-        self.runner = ModelRunner(model, num_blocks, kv.block_size)
+        self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs)
         self._requests: dict[ReqId, Request] = {}
         self._importing: dict[ReqId, Request] = {}
         self._rng = random.Random()
@@ -146,10 +158,6 @@ class Engine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids
-
-    def set_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> None:
-        """The tokenizer may know more end-of-turn ids than the model header (e.g. <|im_end|>)."""
-        self.config = replace(self.config, eos_token_ids=tuple(dict.fromkeys(eos_token_ids)))
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -45,7 +45,6 @@ class LLM:
         loaded = load_model(settings.model.path)
         self.tokenizer = Tokenizer.from_path(str(loaded.path))
         self.engine = Engine(settings, loaded)
-        self.engine.set_eos_token_ids(tuple(self.tokenizer.eos_token_ids) + self.engine.eos_token_ids)
         self._next_id = 0
 
     def generate(

@@ -47,11 +47,12 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str) -> ModelConfig:
+    def from_hf_config(
+        cls, cfg: dict[str, Any], name: str, generation_cfg: dict[str, Any] | None = None
+    ) -> ModelConfig:
         architecture = cfg.get("model_type", "llama")
         num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos_ids = tuple(dict.fromkeys(_ids(cfg.get("eos_token_id")) + _ids((generation_cfg or {}).get("eos_token_id"))))
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
         return cls(
@@ -88,7 +89,11 @@ class ModelConfig:
                     meta.get(f"{arch}.rope.scaling.original_context_length", meta[f"{arch}.context_length"])
                 ),
             }
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        # end-of-turn ids end generation too (e.g. Llama 3's <|eot_id|>)
+        eos_ids = tuple(dict.fromkeys(
+            int(meta[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                       "tokenizer.ggml.eom_token_id") if meta.get(key) is not None
+        ))
         return cls(
             architecture=arch,
             vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
@@ -105,6 +110,12 @@ class ModelConfig:
             attention_bias=has_qkv_bias,
             rope_scaling=rope_scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
+            eos_token_ids=eos_ids,
             name=str(meta.get("general.name", "model")),
         )
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)

@@ -152,7 +152,12 @@ def _unpermute_rotary_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
 def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
+    generation_file = path / "generation_config.json"
+    config = ModelConfig.from_hf_config(
+        json.loads((path / "config.json").read_text()),
+        name=path.name,
+        generation_cfg=json.loads(generation_file.read_text()) if generation_file.exists() else None,
+    )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {str(path)!r}")

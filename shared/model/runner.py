@@ -10,6 +10,7 @@ import torch
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
 from shared.model.config import ModelConfig
+from shared.model.cuda_graphs import DecodeGraphs
 from shared.model.llama import AttentionMetadata, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -30,14 +31,18 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int
+    ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.sampler = Sampler()
-        # zeros, not empty: attention masks padding slots, and 0 * garbage-NaN would still be NaN
+        use_graphs = model.device.type == "cuda"
+        # zeros, not empty: attention masks padding slots, and 0 * garbage-NaN would still be NaN.
+        # On CUDA one extra block, owned by no request, absorbs the padded rows of graph replays.
         self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+            (cfg.num_layers, 2, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads, cfg.head_dim),
             dtype=model.dtype,
             device=model.device,
         )
@@ -45,6 +50,10 @@ class ModelRunner:
             "KV pool: %d blocks of %d tokens (%.1f MiB, %s)",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, model.dtype,
         )
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, -(-max_model_len // block_size), max_num_seqs)
+            self.graphs.capture()
 
     @property
     def device(self) -> torch.device:
@@ -52,7 +61,11 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         inputs = self.prepare_inputs(batch)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        meta = inputs.meta
+        if self.graphs is not None and self.graphs.can_run(len(batch.reqs), meta.max_query_len, meta.block_tables.shape[1]):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
         sampling_reqs = [req for i, req in enumerate(batch.reqs) if batch.samples(i)]
         if not sampling_reqs:
             return StepResult(token_ids=[])

@@ -133,9 +133,10 @@ def block_bytes(loaded: LoadedModel, block_size: int = 16) -> int:
 
 
 def offline_greedy(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """The offline engine's tokens for the same prompts, all in one batch."""
+    """The offline engine's tokens for the same prompts, all in one batch, on the device the
+    workers pick (their dtype is pinned to float32 too)."""
     engine = Engine(EngineSettings(
-        model=ModelSettings(dtype="float32", device="cpu"),
+        model=ModelSettings(dtype="float32", device="auto"),
         kv_cache=KVCacheSettings(memory_bytes=512 * block_bytes(loaded)),
     ), loaded)
     outputs: dict[str, list[int]] = {}

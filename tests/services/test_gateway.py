@@ -19,6 +19,7 @@ from openai import AsyncOpenAI
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import default_model_path
 from shared.protocol import Cancel, GenerateRequest, Message, TokenBatch, TokenUpdate, WorkerStatus, decode
 from shared.settings import GatewayServiceSettings, RedisSettings
@@ -107,7 +108,8 @@ class FakeWorker:
                 return msg
 
     async def reply(
-        self, req: GenerateRequest, token_ids: list[int], index: int = 0, finish_reason: str | None = None, **fields: Any
+        self, req: GenerateRequest, token_ids: list[int], index: int = 0, finish_reason: str | None = None,
+        **fields: Any,
     ) -> None:
         update = TokenUpdate(
             req_id=req.req_id, attempt=fields.pop("attempt", req.attempt), index=index, token_ids=token_ids,
@@ -139,7 +141,7 @@ async def eventually(probe: Callable[[], Awaitable[T]], timeout_s: float = 10.0)
 
 
 async def post(client: TestClient, path: str, body: Any, **kwargs: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
-    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    data = json.dumps(body) if isinstance(body, (dict, list)) else body
     async with client.post(path, data=data, headers={"Content-Type": "application/json"}, **kwargs) as resp:
         return resp.status, await resp.json(), dict(resp.headers)
 
@@ -173,7 +175,8 @@ async def test_completion_reaches_workers_and_answers_in_openai_shape(
         (0, " world! world", "length", None)
     ]
     assert completion.usage is not None
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (1, 3, 4)
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (1, 3, 4)
 
 
 async def test_default_max_tokens_is_the_setting_for_completions(start: Start, worker: FakeWorker) -> None:
@@ -215,7 +218,8 @@ async def test_n_samples_of_several_prompts_are_indexed_prompt_major(client: Tes
         await worker.reply(req, [token] * (seed - 9), finish_reason="length")
     status, body, _ = await call
     assert status == 200
-    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "!"), (1, "!!"), (2, " world"), (3, " world world")]
+    texts = [(c["index"], c["text"]) for c in body["choices"]]
+    assert texts == [(0, "!"), (1, "!!"), (2, " world"), (3, " world world")]
     assert body["usage"]["prompt_tokens"] == 2 and body["usage"]["completion_tokens"] == 6
 
 
@@ -250,7 +254,9 @@ async def test_chat_renders_the_template_and_streams_deltas(
 ) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     async with openai_client(client) as oai:
-        stream = await oai.chat.completions.create(model=MODEL, messages=messages, stream=True)  # type: ignore[arg-type]
+        stream = await oai.chat.completions.create(
+            model=MODEL, messages=messages, stream=True  # type: ignore[arg-type]
+        )
         req = await worker.next_request()
         assert req.prompt_token_ids == tokenizer.apply_chat_template(messages)
         assert req.sampling_params.max_tokens == 8192 - len(req.prompt_token_ids)  # the rest of the context
@@ -298,7 +304,7 @@ async def test_stop_string_never_leaks_and_cancels_the_request(
     if stream:
         events = sse_events(await resp.read())
         assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events] == [
-            (" hello", None), (" ", None), ("", "stop")
+            (" hello ", None), ("", "stop")
         ]
     else:
         choice = (await resp.json())["choices"][0]
@@ -355,7 +361,7 @@ async def test_duplicate_and_stale_updates_are_dropped(client: TestClient, worke
 
 
 def test_inflight_request_accepts_only_its_current_attempt() -> None:
-    req = InflightRequest("r", [HELLO], params=None, seed=1, deadline=0.0, replies=asyncio.Queue(), attempt=1,  # type: ignore[arg-type]
+    req = InflightRequest("r", [HELLO], SamplingParams(), seed=1, deadline=0.0, replies=asyncio.Queue(), attempt=1,
                           output_token_ids=[WORLD])  # fmt: skip
     assert req.accept(TokenUpdate("r", attempt=0, index=1, token_ids=[BANG])) is None
     fresh = req.accept(TokenUpdate("r", attempt=1, index=0, token_ids=[WORLD, BANG], logprobs=[-1.0, -2.0]))
@@ -426,9 +432,11 @@ async def test_redis_down_is_503_and_not_ready(start: Start, monkeypatch: pytest
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "message"),
     [
-        ("/v1/completions", "{not json", 400, None, "Request body is not valid JSON: key must be a string at line 1 column 2"),
+        ("/v1/completions", "{not json", 400, None,
+         "Request body is not valid JSON: key must be a string at line 1 column 2"),
         ("/v1/completions", {"prompt": "Hello", "temperature": 3}, 400, "temperature",
          "temperature must be between 0 and 2, got 3.0"),
+        ("/v1/completions", '{"prompt": "Hello", "top_p": NaN}', 400, "top_p", "top_p must be in (0, 1], got nan"),
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 9000}, 400, "prompt",
          "This model's maximum context length is 8192 tokens. However, you requested 9001 tokens (1 in the prompt, "
          "9000 in the completion). Please reduce the length of the prompt or completion."),
@@ -444,7 +452,8 @@ async def test_redis_down_is_503_and_not_ready(start: Start, monkeypatch: pytest
          "messages must contain at least one message, got []"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}, 400,
          "max_completion_tokens", "max_completion_tokens must be at least 1, got 0"),
-        ("/detokenize", {"tokens": [50000]}, 400, "tokens", "token id 50000 in 'tokens' is outside the vocabulary (size 49152)"),
+        ("/detokenize", {"tokens": [50000]}, 400, "tokens",
+         "token id 50000 in 'tokens' is outside the vocabulary (size 49152)"),
     ],
 )  # fmt: skip
 async def test_bad_input_is_a_4xx_openai_error(
@@ -484,7 +493,9 @@ async def test_oversized_body_is_413(start: Start, chunked: bool) -> None:
     status, body, _ = await post(client, "/v1/completions", chunks() if chunked else payload)
     assert status == 413
     size = "more" if chunked else f"{len(payload)} bytes"
-    assert body["error"]["message"] == f"The request body ({size}) is larger than the 2048 bytes allowed (gateway.max_body_bytes)."
+    assert body["error"]["message"] == (
+        f"The request body ({size}) is larger than the 2048 bytes allowed (gateway.max_body_bytes)."
+    )
 
 
 async def test_full_gateway_answers_429_with_retry_after(start: Start, worker: FakeWorker) -> None:
@@ -551,11 +562,13 @@ async def test_ready_needs_a_live_prefill_and_decode_worker(client: TestClient, 
         async with client.get("/ready") as resp:
             return resp.status, await resp.json()
 
-    namespace = worker.bus.keys.namespace
-    assert await ready() == (503, {"status": "not ready", "reason": f"no live prefill worker (namespace '{namespace}')"})
+    def not_ready(role: str) -> tuple[int, dict[str, str]]:
+        return 503, {"status": "not ready", "reason": f"no live {role} worker (namespace '{worker.bus.keys.namespace}')"}
+
+    assert await ready() == not_ready("prefill")
     await worker.heartbeat("prefill", "prefill-0")
-    await worker.heartbeat("decode", "decode-0", draining=True)
-    assert await ready() == (503, {"status": "not ready", "reason": f"no live decode worker (namespace '{namespace}')"})
+    await worker.heartbeat("decode", "decode-0", draining=True)  # a draining worker takes no new work
+    assert await ready() == not_ready("decode")
     await worker.heartbeat("decode", "decode-1")
     assert await ready() == (200, {"status": "ready"})
     async with client.get("/health") as resp:

@@ -46,6 +46,7 @@ def test_stack_without_a_redis_url_runs_a_private_redis_and_stops_it(
     binary: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("LLMD_REDIS__URL", raising=False)
     if binary == "valkey":
         monkeypatch.setattr("shutil.which", lambda name: None)
     elif find_redis_server().endswith("valkey-server"):
@@ -76,7 +77,7 @@ def stack(loaded_model: LoadedModel) -> Iterator[Stack]:
     namespace = f"test-launcher-{uuid.uuid4().hex[:8]}"
     _leave_pending(Keys(namespace))
     config = StackConfig(
-        num_prefill=1, num_decode=1, gateway=False, redis_url=REDIS_URL, namespace=namespace,
+        num_prefill=1, num_decode=1, gateway=False, redis_url=REDIS_URL, namespace=namespace, dtype="float32",
         env={
             "LLMD_KV_CACHE__MEMORY_BYTES": str(64 * block_bytes(loaded_model)),
             "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
@@ -146,7 +147,7 @@ async def test_an_added_worker_serves_and_sigterm_lets_it_finish_its_request(gat
 
 @pytest.mark.slow
 def test_cli_serves_completions_and_stops_everything_on_sigterm() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "LLMD_REDIS__URL")}
     env["LLMD_KV_CACHE__MEMORY_BYTES"] = str(32 * 2**20)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.launcher", "--port", "0", "--prefill", "1", "--decode", "1"],

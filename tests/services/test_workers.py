@@ -14,11 +14,13 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.decode.worker import DecodeWorker
+from services.engine_thread import EngineThread
+from services.health import create_health_app
 from services.kv_connector import RedisKVConnector
 from services.launcher import RedisServer, Stack, StackConfig
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.worker import PrefillWorker
-from services.worker_base import EngineThread, Worker, create_health_app
+from services.worker_base import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats
 from shared.engine.sampling_params import SamplingParams
@@ -43,6 +45,7 @@ def prompt(n: int, offset: int = 0) -> list[int]:
 def stack(loaded_model: LoadedModel) -> Iterator[Stack]:
     config = StackConfig(
         num_prefill=2, num_decode=2, gateway=False, redis_url=REDIS_URL, namespace=f"test-workers-{uuid.uuid4().hex[:8]}",
+        dtype="float32",
         env={
             "LLMD_KV_CACHE__MEMORY_BYTES": str(NUM_BLOCKS * block_bytes(loaded_model)),
             "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2",
@@ -97,6 +100,19 @@ async def test_sixteen_concurrent_requests_complete_and_every_worker_serves_some
     await gateway.until_all_blocks_free()
 
 
+async def test_a_seeded_rerun_after_streamed_tokens_continues_with_the_same_tokens(gateway: FakeGateway) -> None:
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    await gateway.submit("first-run", prompt(20, 5), params, seed=99)
+    first = (await gateway.finish("first-run"))["first-run"].token_ids
+
+    await gateway.submit("re-run", prompt(20, 5), params, seed=99, attempt=1, output_token_ids=first[:3])
+    rerun = (await gateway.finish("re-run"))["re-run"]
+
+    assert [(u.index, u.attempt) for u in rerun.updates[:2]] == [(3, 1), (4, 1)]
+    assert [rerun.tokens[i] for i in range(3, 8)] == first[3:]
+    assert rerun.finish_reason == "length"
+
+
 async def test_cancel_frees_the_decode_workers_blocks(gateway: FakeGateway) -> None:
     await gateway.submit("doomed", prompt(40, 3), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
     reply = gateway.replies["doomed"]
@@ -125,7 +141,7 @@ async def test_cancel_mark_and_expired_deadline_answer_without_running(gateway: 
     assert "outside the vocabulary" in (replies["bad"].error or "")
 
 
-async def test_reservation_without_kv_is_freed_after_the_handoff_timeout(gateway: FakeGateway) -> None:
+async def test_a_reservation_whose_kv_never_comes_is_freed_and_the_gateway_told(gateway: FakeGateway) -> None:
     """The test plays a prefill worker that dies after its offer was accepted."""
     await gateway.until_all_blocks_free()
     decode = (await gateway.workers("decode"))[0]
@@ -151,7 +167,9 @@ async def test_reservation_without_kv_is_freed_after_the_handoff_timeout(gateway
     location = await connector.put("orphan", 0, torch.zeros(3, 1))
     await gateway.bus.send(decode.inbox, KVReady("orphan", 0, [0, 1, 2], location, 12))
     await eventually(lambda: _missing(gateway, location), "the late KV bytes to be discarded")
-    assert gateway.replies.get("orphan") is None
+    reply = (await gateway.finish("orphan"))["orphan"]
+    assert (reply.token_ids, reply.finish_reason, reply.worker_ids) == ([], "abort", [decode.worker_id])
+    assert f"did not arrive from {ghost}" in (reply.error or "")
 
 
 async def _read_one(gateway: FakeGateway, stream: str) -> object:
@@ -195,20 +213,23 @@ class FakeEngine:
 
 
 async def test_engine_thread_runs_every_call_on_one_thread_and_tells_stalls_from_idleness() -> None:
-    thread = EngineThread()
+    now = [100.0]
+    thread = EngineThread(clock=lambda: now[0])
     engine = FakeEngine()
     thread._engine = engine  # type: ignore[assignment]
     names = {await thread.call(lambda: threading.current_thread().name) for _ in range(5)}
     assert len(names) == 1 and names.pop().startswith("engine")
+    now[0] += 50
     assert thread.stalled_s() == 0.0  # idle is not a stall
 
     await thread.call(engine.hold_work)
     assert thread.has_work and thread.stats is not None and thread.stats.num_waiting == 1
-    await eventually(_async(lambda: thread.stalled_s() > 0.0), "work that nobody steps to count as a stall")
-    stalled_s = thread.stalled_s()
+    now[0] += 40
+    assert thread.stalled_s() == 40.0  # work held, nobody stepping
 
     await thread.step()  # a step that schedules nothing still proves the engine is alive
-    assert thread.stalled_s() < stalled_s
+    now[0] += 1
+    assert thread.stalled_s() == 1.0
     await thread.call(engine.drop_work)
     assert (thread.has_work, thread.stalled_s()) == (False, 0.0)
     thread.shutdown()

@@ -1,0 +1,91 @@
+"""The one thread that touches a worker's engine, and how a worker builds its engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from shared.engine.engine import Engine, EngineStats, RequestOutput
+from shared.model.loader import load_model
+from shared.settings import WorkerServiceSettings
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """The only door to the engine. One dedicated thread runs every call in submission order, so
+    the engine is never touched concurrently and the event loop never waits on the model.
+
+    After each call the thread snapshots `stats`, so heartbeats and /metrics read the load
+    without queueing behind a long step. It also tells a hung engine (a call that never returns,
+    or work held while nobody steps) from a busy one (`stalled_s`); a step that finds nothing it
+    can schedule, e.g. while blocks wait for a handoff, still counts as a step.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._engine: Engine | None = None
+        self.stats: EngineStats | None = None
+        self.num_steps = 0  # steps that computed something
+        self._clock = clock
+        self._busy_since: float | None = None
+        self._stepped_at = clock()
+
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "the engine is not loaded yet"
+        return self._engine
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def has_work(self) -> bool:
+        return self.stats is not None and self.stats.num_running + self.stats.num_waiting > 0
+
+    async def load(self, settings: WorkerServiceSettings) -> Engine:
+        self._engine = await self.call(load_engine, settings)
+        await self.call(lambda: None)  # first stats snapshot
+        return self._engine
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
+
+    async def step(self) -> list[RequestOutput]:
+        return await self.call(self._step)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        self._stepped_at = self._clock()
+        return outputs
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        start = self._clock()
+        self._busy_since = start
+        if not self.has_work:
+            self._stepped_at = start  # idle time is not a stall
+        try:
+            return fn(*args)
+        finally:
+            if self._engine is not None:
+                self.stats = self._engine.stats()
+                self.num_steps = self._engine.num_steps
+            self._busy_since = None
+
+    def stalled_s(self) -> float:
+        """How long one call has been running, or the engine has held work that nobody stepped."""
+        now = self._clock()
+        busy_since = self._busy_since
+        stalled = now - busy_since if busy_since is not None else 0.0
+        return max(stalled, now - self._stepped_at) if self.has_work else stalled
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def load_engine(settings: WorkerServiceSettings) -> Engine:
+    return Engine(settings.engine, load_model(settings.model.path))
