@@ -7,6 +7,12 @@ Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID; the CPU co
 out through LLMD_TORCH_THREADS. Ctrl-C or SIGTERM stops everything: SIGTERM (workers drain),
 a grace period, then SIGKILL; the private Redis goes last. `Stack` is the same as a library,
 for tests and scripts, and can add and stop workers while it runs.
+
+Scaling at run time: the CLI reads commands on stdin, one per line:
+
+    +prefill, +decode   start one more worker of that role (it takes work once its heartbeat is up)
+    -prefill, -decode   SIGTERM the newest worker of that role: it drains (takes no new work,
+                        finishes what it holds) and deregisters; refused for the last one
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -167,6 +174,7 @@ class Stack:
         self._next_index = {role: 0 for role in ROLES}
         self._torch_threads = 1
         self._aborted = threading.Event()
+        self._draining: set[str] = set()
 
     def __enter__(self) -> Self:
         try:
@@ -229,6 +237,22 @@ class Stack:
             child.process.kill()
             return child.process.wait()
 
+    def drain_worker(self, name: str) -> None:
+        """SIGTERM one worker without waiting: it drains and exits 0; `exited` then forgets it."""
+        self._draining.add(name)
+        self.children[name].process.send_signal(signal.SIGTERM)
+
+    def newest_worker(self, role: str) -> str | None:
+        """The most recently added serving worker of `role`, the one to remove when scaling down."""
+        names = [name for name, c in self.children.items() if c.role == role and self._is_serving(name)]
+        return names[-1] if names else None
+
+    def num_workers(self, role: str) -> int:
+        return sum(1 for name, c in self.children.items() if c.role == role and self._is_serving(name))
+
+    def _is_serving(self, name: str) -> bool:
+        return name not in self._draining and self.children[name].process.poll() is None
+
     def stop(self) -> None:
         self._aborted.set()
         processes = [c.process for c in self.children.values()]
@@ -245,8 +269,13 @@ class Stack:
         self._aborted.set()
 
     def exited(self) -> dict[str, int]:
-        """Children that have exited, with their exit codes."""
-        return {name: code for name, c in self.children.items() if (code := c.process.poll()) is not None}
+        """Children that have exited, with their exit codes; a drained worker that exited 0 is removed instead."""
+        exited = {name: code for name, c in self.children.items() if (code := c.process.poll()) is not None}
+        for name in [n for n, code in exited.items() if n in self._draining and code == 0]:
+            logger.info("%s drained and exited", name)
+            del self.children[name], exited[name]
+            self._draining.discard(name)
+        return exited
 
     def wait_registered(self, name: str) -> None:
         client = redis.Redis.from_url(self.redis_url or "", socket_timeout=5)
@@ -350,8 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base_url = stack.start()
         where = base_url or f"workers only, Redis at {stack.redis_url} namespace {stack.namespace}"
-        print(f"serving {args.prefill} prefill + {args.decode} decode worker(s): {where}  (Ctrl-C to stop)", flush=True)
-        return _watch(stack, stop)
+        print(f"serving {args.prefill} prefill + {args.decode} decode worker(s): {where}  (Ctrl-C to stop; "
+              "+prefill/+decode/-prefill/-decode on stdin to scale)", flush=True)
+        commands: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_read_commands, args=(commands,), daemon=True, name="stdin").start()
+        return _watch(stack, stop, commands)
     except StackError as e:
         logger.error("%s", e)
         return 1
@@ -359,10 +391,33 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop()
 
 
-def _watch(stack: Stack, stop: threading.Event) -> int:
-    """Report children that die; a dead gateway ends the stack."""
+def _read_commands(commands: queue.Queue[str]) -> None:
+    for line in sys.stdin:
+        if line.strip():
+            commands.put(line.strip())
+
+
+def apply_command(stack: Stack, command: str) -> str:
+    """Carry out one scaling command (see the module's doc); returns what was done, for the log.
+    Runs on the thread that started the stack: children die with the thread that spawned them."""
+    sign, role = command[:1], command[1:].strip()
+    if sign not in ("+", "-") or role not in ROLES:
+        return f"unknown command {command!r}: use +prefill, +decode, -prefill or -decode"
+    if sign == "+":
+        return f"started {stack.add_worker(role, wait=False)}"
+    name = stack.newest_worker(role)
+    if name is None or stack.num_workers(role) <= 1:
+        return f"not removing the last {role} worker"
+    stack.drain_worker(name)
+    return f"draining {name} (SIGTERM)"
+
+
+def _watch(stack: Stack, stop: threading.Event, commands: queue.Queue[str]) -> int:
+    """Carry out scaling commands and report children that die; a dead gateway ends the stack."""
     reported: set[str] = set()
-    while not stop.wait(1.0):
+    while not stop.wait(0.2):
+        while not commands.empty():
+            logger.info("%s", apply_command(stack, commands.get_nowait()))
         for name, code in stack.exited().items():
             if name not in reported:
                 logger.error("%s exited with code %d", name, code)

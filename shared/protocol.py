@@ -109,7 +109,11 @@ class GenerateRequest(Message):
 
 @dataclass(slots=True)
 class TokenUpdate:
-    """New tokens of one request; `finish_reason` set on the last update, `error` on failure."""
+    """New tokens of one request; `finish_reason` set on the last update, `error` on failure.
+
+    `worker_id` names the worker holding the request now: the sender, except in the update
+    without tokens a prefill worker sends once a handoff is complete, which names the decode
+    worker (the gateway re-runs the request if that worker dies)."""
 
     req_id: str
     attempt: int

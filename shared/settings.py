@@ -17,16 +17,17 @@ ENV_PREFIX = "LLMD_"
 class ModelSettings(BaseModel):
     path: str = Field("default", description="a .gguf file or a Hugging Face checkpoint folder; 'default' = SmolLM2-135M-Instruct")
     name: str | None = Field(None, description="model id served by the API (default: derived from the path)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present")
     max_model_len: int | None = Field(None, ge=16, description="context length cap (default: the model's)")
 
 
 class KVCacheSettings(BaseModel):
-    block_size: int = Field(16, ge=1, le=256)
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (a power of two)")
     memory_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; overrides memory_fraction")
     memory_fraction: float = Field(0.1, gt=0, le=0.95, description="share of available memory for the KV pool")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="share full blocks of common prefixes")
 
     @field_validator("block_size")
     @classmethod
@@ -39,7 +40,7 @@ class KVCacheSettings(BaseModel):
 class SchedulerSettings(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     max_num_seqs: int = Field(128, ge=1, description="cap on requests running at once")
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
 
 
 class EngineSettings(BaseModel):
@@ -50,9 +51,9 @@ class EngineSettings(BaseModel):
 
 
 class RedisSettings(BaseModel):
-    url: str = "redis://127.0.0.1:6379/0"
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS), with user:password if needed")
     namespace: str = Field("llmd", description="prefix of every key and stream this deployment uses")
-    socket_timeout_s: float = Field(5.0, gt=0)
+    socket_timeout_s: float = Field(5.0, gt=0, description="bound on one Redis call, so outages surface quickly")
 
 
 class _Base(BaseSettings):
@@ -68,7 +69,7 @@ class EngineServiceSettings(_Base):
     model: ModelSettings = ModelSettings()
     kv_cache: KVCacheSettings = KVCacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
-    torch_threads: int | None = Field(None, ge=1)
+    torch_threads: int | None = Field(None, ge=1, description="intra-op torch threads (default: torch's)")
 
     @property
     def engine(self) -> EngineSettings:
@@ -88,9 +89,9 @@ class EngineServiceSettings(_Base):
 
 class WorkerSettings(BaseModel):
     worker_id: str | None = Field(None, description="unique id (default: host-pid-random)")
-    health_host: str = "127.0.0.1"
+    health_host: str = Field("127.0.0.1", description="listen address of /health and /metrics")
     health_port: int = Field(9100, ge=0, le=65535, description="/health and /metrics; 0 picks a free port")
-    heartbeat_interval_s: float = Field(0.5, gt=0)
+    heartbeat_interval_s: float = Field(0.5, gt=0, description="how often a worker publishes its status")
     heartbeat_ttl_s: float = Field(3.0, gt=0, description="a worker silent this long is treated as dead")
     max_deliveries: int = Field(3, ge=1, description="deliveries of one request before it is dead-lettered")
     handoff_timeout_s: float = Field(10.0, gt=0, description="bound on waiting for the other side of a KV handoff")
@@ -107,15 +108,15 @@ class WorkerSettings(BaseModel):
 
 class GatewaySettings(BaseModel):
     gateway_id: str | None = Field(None, description="unique id (default: host-pid-random)")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="listen address (0.0.0.0 in containers)")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI API")
     api_keys: str = Field("", description="comma-separated accepted bearer tokens; empty = no auth")
     max_queued_requests: int = Field(512, ge=1, description="in-flight requests beyond which new ones get 429")
     max_queued_prompt_tokens: int = Field(1_000_000, ge=1, description="in-flight prompt tokens beyond which 429")
-    max_body_bytes: int = Field(4 * 2**20, ge=1024)
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     request_timeout_s: float = Field(600.0, gt=0, description="per-request deadline")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a completions request gives none")
-    max_n: int = Field(16, ge=1)
+    max_n: int = Field(16, ge=1, description="cap on the n parameter")
 
     @property
     def api_key_list(self) -> list[str]:

@@ -60,6 +60,10 @@ class Keys:
     def kv_blob(self, req_id: str, attempt: int) -> str:
         return f"{self.namespace}:kv:{req_id}:{attempt}"
 
+    def epoch(self, gateway_id: str) -> str:
+        """A gateway's mark in Redis: gone means Redis lost its data (restart without persistence, flush)."""
+        return f"{self.namespace}:epoch:{gateway_id}"
+
 
 class Bus:
     """One Redis connection pool plus the stream operations the services use."""

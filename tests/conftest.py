@@ -11,7 +11,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shared.model.loader import LoadedModel, default_model_path, load_model
+from services.launcher import RedisServer  # noqa: E402
+from shared.model.loader import LoadedModel, default_model_path, load_model  # noqa: E402
+
+_private_redis: RedisServer | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests talk to a real Redis: REDIS_URL when set, else a private server started for this run."""
+    global _private_redis
+    if "REDIS_URL" not in os.environ:
+        _private_redis = RedisServer()
+        os.environ["REDIS_URL"] = _private_redis.start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _private_redis is not None:
+        _private_redis.stop()
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@
     inbox --Cancel--------> abort: its blocks are free before the next step
     every step -----------> one TokenBatch per gateway, sent while the next step runs
 
-A reservation whose KVReady does not come within handoff_timeout_s is aborted and the gateway
-told, so a prefill worker that dies mid-handoff can neither pin blocks here nor leave its
-request hanging.
+A reservation whose KVReady does not come within handoff_timeout_s is aborted, so a prefill
+worker that dies mid-handoff cannot pin blocks here; the gateway is told (a clear error) unless
+that prefill worker died, in which case another one re-runs the request it left pending.
 """
 
 from __future__ import annotations
@@ -178,8 +178,16 @@ class DecodeWorker(Worker):
         error = f"its KV did not arrive from {held.offer.prefill_id} within {self.settings.worker.handoff_timeout_s}s"
         logger.warning("giving up on %s: %s; its reserved blocks are free", req_id, error)
         self.spawn(self.engine.call(self.engine.engine.abort_request, req_id))
-        # the gateway hears of it, so the request ends (or is re-run) instead of waiting for its deadline
-        self.spawn(self._fail(held.offer, error))
+        self.spawn(self._fail_unless_reclaimed(held.offer, error))
+
+    async def _fail_unless_reclaimed(self, offer: HandoffOffer, error: str) -> None:
+        """Tell the gateway, so the request ends instead of waiting for its deadline; unless the
+        prefill worker died: its request stays pending, another prefill worker re-runs it, and an
+        error now would end a request that is about to be served."""
+        alive = await self.bus.redis.exists(self.keys.alive(offer.prefill_id))
+        registered = await self.bus.redis.hexists(self.keys.workers("prefill"), offer.prefill_id)
+        if alive or not registered:
+            await self._fail(offer, error)
 
     async def _on_kv_ready(self, msg: KVReady) -> None:
         held = self._reserved.get(msg.req_id)

@@ -48,11 +48,13 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         app[GATEWAY] = gw
         gw.reader = asyncio.create_task(gw.router.run(), name="replies-reader")
         gw.reader.add_done_callback(_log_reader_exit)
+        watcher = asyncio.create_task(gw.dispatcher.watch(), name="migration-watch")
         _log_start(settings, gw.gateway_id, model.name, model.max_model_len)
         yield
         gw.router.stop()
+        gw.dispatcher.stop()
         gw.reader.cancel()
-        await asyncio.gather(gw.reader, return_exceptions=True)
+        await asyncio.gather(gw.reader, watcher, return_exceptions=True)
         await gw.wait_spawned()  # cancels on their way to the workers
         await gw.bus.close()
         logger.info("gateway %s stopped", gw.gateway_id)

@@ -1,4 +1,12 @@
-"""Puts requests on the workers and takes them off again: every write of the gateway to Redis."""
+"""Puts requests on the workers and takes them off again: every write of the gateway to Redis.
+
+It also migrates requests off dead decode workers: `watch` looks every WATCH_INTERVAL_S at the
+decode worker holding each in-flight request; one registered whose heartbeat lapsed is dead, so
+its requests are re-queued with `attempt + 1`, continuing after the tokens already streamed.
+The attempt fences the dead (or revived) worker: its late updates are dropped. A request still
+on a prefill worker needs no help here: its stream entry stays pending until the handoff is
+complete, and another prefill worker claims it (services/prefill/reclaim.py).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +16,16 @@ import logging
 from services.gateway.inflight import InflightRequest
 from services.gateway.openai_schema import ApiError
 from services.gateway.replies import ReplyRouter
-from shared.protocol import Cancel
+from shared.protocol import Cancel, WorkerStatus, decode
 from shared.streams import REDIS_ERRORS, Bus
 
 logger = logging.getLogger(__name__)
 
 # Long enough for a queued request to reach a prefill worker, which then skips it.
 CANCEL_MARK_TTL_S = 300
+# How often the holders of in-flight requests are checked; a migration starts within
+# heartbeat_ttl_s (the workers' setting) + WATCH_INTERVAL_S of a decode worker's death.
+WATCH_INTERVAL_S = 0.5
 
 
 class Dispatcher:
@@ -22,23 +33,28 @@ class Dispatcher:
         self._bus = bus
         self._router = router
         self.gateway_id = gateway_id
+        self._inflight: dict[str, InflightRequest] = {}
+        self.num_migrated = 0
+        self._stopping = asyncio.Event()
 
     async def submit(self, reqs: list[InflightRequest]) -> None:
         """Queue `reqs` for the prefill pool; their replies are routed from now on."""
         for req in reqs:
             self._router.register(req)  # before the XADD, so no reply can arrive unrouted
+            self._inflight[req.req_id] = req
         try:
             stream = self._bus.keys.requests
             await asyncio.gather(*(self._bus.send(stream, req.to_message(self.gateway_id)) for req in reqs))
         except REDIS_ERRORS as e:
             for req in reqs:
-                self._router.unregister(req.req_id)
+                self.release(req)
             logger.error("cannot queue requests: Redis unavailable (%s)", e)
             raise ApiError(503, "The request queue (Redis) is unavailable; retry later.", "server_error") from e
 
     def release(self, req: InflightRequest) -> None:
         """Stop routing replies of `req` (it finished, or the gateway gave up on it)."""
         self._router.unregister(req.req_id)
+        self._inflight.pop(req.req_id, None)
 
     async def cancel(self, req: InflightRequest, reason: str) -> None:
         """Stop `req` wherever it is: the mark makes a prefill worker skip it if still queued, the
@@ -57,3 +73,58 @@ class Dispatcher:
         if req.worker_id is not None:
             return [req.worker_id]
         return [status.worker_id for status in await self._bus.live_workers("prefill")]
+
+    # -- migration -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Make `watch` return."""
+        self._stopping.set()
+
+    async def watch(self) -> None:
+        """Migrate the requests of dead decode workers until stopped; rides out Redis outages."""
+        while not self._stopping.is_set():
+            try:
+                async with asyncio.timeout(WATCH_INTERVAL_S):
+                    await self._stopping.wait()
+            except TimeoutError:
+                pass
+            if self._stopping.is_set() or not self._inflight:
+                continue
+            try:
+                await self.migrate_from_dead()
+            except REDIS_ERRORS as e:
+                logger.warning("checking the holders of in-flight requests: Redis unavailable (%s)", e)
+
+    async def migrate_from_dead(self) -> list[InflightRequest]:
+        """Re-queue every unfinished request held by a dead decode worker; returns them."""
+        dead = await self._dead_decode_workers()
+        moved: list[InflightRequest] = []
+        stream = self._bus.keys.requests
+        for req in [r for r in self._inflight.values() if not r.is_finished and r.worker_id in dead]:
+            dead_id = req.worker_id
+            logger.warning("%s: decode worker %s died; re-running it as attempt %d after %d streamed tokens",
+                           req.req_id, dead_id, req.attempt + 1, len(req.output_token_ids))
+            req.attempt += 1  # before the XADD: from now on updates of the old attempt are dropped
+            req.worker_id = None
+            try:
+                await self._bus.send(stream, req.to_message(self.gateway_id))
+            except REDIS_ERRORS:
+                req.attempt, req.worker_id = req.attempt - 1, dead_id  # nothing queued: try again next round
+                raise
+            moved.append(req)
+            self.num_migrated += 1
+        return moved
+
+    async def _dead_decode_workers(self) -> set[str]:
+        """Decode workers still registered (they did not exit cleanly) whose heartbeat lapsed."""
+        holders = {r.worker_id for r in self._inflight.values() if r.worker_id is not None}
+        if not holders:
+            return set()
+        keys = self._bus.keys
+        registered = await self._bus.redis.hgetall(keys.workers("decode"))
+        ids = [s.worker_id for raw in registered.values() if isinstance(s := decode(raw), WorkerStatus)]
+        ids = [i for i in ids if i in holders]
+        if not ids:
+            return set()
+        alive = await self._bus.redis.mget([keys.alive(i) for i in ids])
+        return {i for i, beat in zip(ids, alive) if beat is None}

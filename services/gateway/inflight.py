@@ -19,7 +19,8 @@ class InflightRequest:
     a re-run sends `attempt + 1` and continues after `output_token_ids`.
 
     `replies` receives the accepted updates (it may be shared by the samples of one API request);
-    `worker_id` is the worker last heard from, where a Cancel goes.
+    `worker_id` is the worker holding it, where a Cancel goes and whose death triggers a re-run:
+    the last one heard from, or the decode worker a prefill worker named as it handed it over.
     """
 
     req_id: str

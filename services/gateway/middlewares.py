@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+from redis.exceptions import RedisError
 
 from services.gateway.context import GATEWAY
 from services.gateway.openai_schema import ApiError, error_body
@@ -15,10 +16,14 @@ logger = logging.getLogger(__name__)
 
 # Probes and scrapes stay open, as in vLLM: orchestrators and Prometheus carry no API key.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+UNAVAILABLE_RETRY_AFTER_S = 1
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.json_response(error_body(err), status=err.status, headers=err.headers)
+    headers = err.headers
+    if err.status == 503 and "Retry-After" not in headers:
+        headers = headers | {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}  # every 503 is worth retrying
+    return web.json_response(error_body(err), status=err.status, headers=headers)
 
 
 @web.middleware
@@ -34,6 +39,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if exc.status < 400:
             raise
         return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", _http_type(exc)))
+    except RedisError as e:  # refused by Redis itself (out of memory, ACL) rather than unreachable
+        logger.error("%s %s: Redis error: %s", request.method, request.path, e)
+        return error_response(ApiError(503, f"The request queue (Redis) refused the request: {e}", "server_error"))
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
         return error_response(ApiError(500, "Internal server error.", "server_error"))

@@ -3,12 +3,18 @@
 Workers append TokenBatches to `replies:<gateway_id>`; this gateway is the stream's only
 consumer, so a plain XREAD from the last id read suffices (no consumer group), and entries
 are trimmed as soon as they are routed, which keeps Redis' memory bounded.
+
+Redis may restart empty (no persistence): the gateway's epoch mark is then gone, and every
+request still in flight is re-queued from the gateway's own record as its next attempt, which
+continues after the tokens already streamed. Replies of the old attempt are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import time
 
 from services.gateway.inflight import InflightRequest
 from shared.protocol import Message, TokenBatch
@@ -19,20 +25,31 @@ logger = logging.getLogger(__name__)
 READ_COUNT = 512
 READ_BLOCK_MS = 1000
 MAX_BACKOFF_S = 2.0
+EPOCH_CHECK_INTERVAL_S = 0.5
+EPOCH_TTL_S = 3600  # refreshed every check; outlives a gateway that died without cleaning up only this long
 
 
 class ReplyRouter:
     def __init__(self, bus: Bus, gateway_id: str) -> None:
         self._bus = bus
+        self.gateway_id = gateway_id
         self.stream = bus.keys.replies(gateway_id)
+        self._epoch_key = bus.keys.epoch(gateway_id)
+        self._epoch = secrets.token_hex(8).encode()
+        self._epoch_checked_at = 0.0  # monotonic
         self._requests: dict[str, InflightRequest] = {}
+        self._registered_at: dict[str, float] = {}  # monotonic
+        self._failed_at: float | None = None  # monotonic: the last Redis error since the epoch was confirmed
         self._stopping = asyncio.Event()
+        self.num_requeued = 0
 
     def register(self, req: InflightRequest) -> None:
         self._requests[req.req_id] = req
+        self._registered_at[req.req_id] = time.monotonic()
 
     def unregister(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
+        self._registered_at.pop(req_id, None)
 
     def stop(self) -> None:
         """Make `run` return after the read in progress. Cancelling alone is not enough: on Python
@@ -43,10 +60,15 @@ class ReplyRouter:
         """Route replies until stopped; rides out Redis outages with backoff."""
         # entries left by an earlier process with this gateway id answer requests nobody waits for
         await with_backoff(lambda: self._bus.redis.delete(self.stream), f"clearing {self.stream}", self._stopping)
+        await with_backoff(self._mark_epoch, "marking the gateway's epoch", self._stopping)
         last_id = b"0-0"
         delay = 0.05
         while not self._stopping.is_set():
             try:
+                if time.monotonic() - self._epoch_checked_at >= EPOCH_CHECK_INTERVAL_S and not await self._check_epoch():
+                    last_id = b"0-0"  # the stream restarted too
+                    await self._requeue_lost()
+                    await self._mark_epoch()
                 entries = await self._bus.read(self.stream, last_id, READ_COUNT, READ_BLOCK_MS)
                 if entries:
                     self._route_all([msg for _, msg in entries])
@@ -55,8 +77,51 @@ class ReplyRouter:
                 delay = 0.05
             except REDIS_ERRORS as e:
                 logger.warning("reading %s: Redis unavailable (%s); retrying in %.2fs", self.stream, e, delay)
+                self._epoch_checked_at = 0.0  # check at once when Redis is back
+                self._failed_at = time.monotonic()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_S)
+
+    async def clear_epoch(self) -> None:
+        try:
+            await self._bus.redis.delete(self._epoch_key)
+        except REDIS_ERRORS as e:
+            logger.warning("could not remove %s: %s", self._epoch_key, e)
+
+    async def _mark_epoch(self) -> None:
+        await self._bus.redis.set(self._epoch_key, self._epoch, ex=EPOCH_TTL_S)
+        self._epoch_checked_at = time.monotonic()
+
+    async def _check_epoch(self) -> bool:
+        """Refresh the epoch mark; False when it had vanished. The mark is set again only after
+        the caller re-queued, so a re-queue cut short by another outage is redone."""
+        pipe = self._bus.redis.pipeline(transaction=False)
+        pipe.get(self._epoch_key)
+        pipe.expire(self._epoch_key, EPOCH_TTL_S)
+        epoch, _ = await pipe.execute()
+        self._epoch_checked_at = time.monotonic()
+        if epoch == self._epoch:
+            self._failed_at = None
+        return epoch == self._epoch
+
+    async def _requeue_lost(self) -> None:
+        """Queue every unfinished request the old Redis had as its next attempt; the old attempt's
+        replies no longer count. Requests registered after the last failed read went to the new
+        Redis already (Redis was down then, so their XADD could only succeed after it was back)."""
+        cutoff = self._failed_at if self._failed_at is not None else time.monotonic()
+        lost = [
+            req for req_id, req in list(self._requests.items())
+            if not req.is_finished and self._registered_at.get(req_id, cutoff) < cutoff
+        ]  # fmt: skip
+        logger.error("Redis lost its data (restarted empty?): re-queueing %d request(s)", len(lost))
+        stream = self._bus.keys.requests
+        for req in lost:
+            req.attempt += 1
+            self._registered_at[req.req_id] = time.monotonic()  # its new attempt went to this Redis
+            await self._bus.send(stream, req.to_message(self.gateway_id))
+            self.num_requeued += 1
+            logger.warning("%s: re-queued as attempt %d after %d tokens", req.req_id, req.attempt,
+                           len(req.output_token_ids))
 
     def _route_all(self, msgs: list[Message | None]) -> None:
         for msg in msgs:

@@ -316,7 +316,14 @@ class PrefillWorker(Worker):
         if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
             await self.connector.discard(location)
             return
-        await self.send(self.keys.inbox(decode_id), KVReady(t.req_id, t.msg.attempt, needed, location, num_bytes))
+        # the update names the new holder, so the gateway can re-run the request should that worker die
+        holder = TokenUpdate(
+            req_id=t.req_id, attempt=t.msg.attempt, index=t.first_index + 1, token_ids=[], worker_id=decode_id
+        )
+        await self.send_many([
+            (self.keys.inbox(decode_id), KVReady(t.req_id, t.msg.attempt, needed, location, num_bytes)),
+            (self.keys.replies(t.msg.gateway_id), TokenBatch([holder])),
+        ])
         self._remember_handoff(t.req_id, decode_id)
         self._observe_handoff(t, decode_id, len(needed), num_bytes)
 

@@ -4,6 +4,8 @@ TokenBatches on the gateway's replies stream."""
 
 from __future__ import annotations
 
+import os
+
 import asyncio
 import json
 import time
@@ -32,7 +34,7 @@ from services.gateway.planner import sample_seed
 
 pytestmark = pytest.mark.timeout(60)
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = os.environ["REDIS_URL"]
 GATEWAY_ID = "gw-test"
 MODEL = default_model_path().stem
 HELLO, WORLD, BANG, IM_END = 19556, 905, 17, 2  # "Hello", " world", "!", "<|im_end|>"

@@ -1,0 +1,136 @@
+"""Faults among workers on a real stack (gateway, 1 prefill, 2 decode workers, real model): a decode
+worker SIGKILLed mid-generation has its requests migrated by the gateway, and the client's stream
+goes on with no token lost or doubled; a client that leaves frees its blocks everywhere."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from openai import OpenAI
+
+from services.launcher import Stack, StackConfig
+from shared.protocol import WorkerStatus, decode
+from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
+from tests.services.stack_client import REDIS_URL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+KV_BYTES = 32 * 2**20
+BOUND_S = 120.0  # generous: the machine is shared; never a claim about speed
+PROMPT = "Once upon a time, in a village by the sea,"
+NUM_TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    config = StackConfig(
+        port=0, num_prefill=1, num_decode=2, redis_url=REDIS_URL, namespace=f"test-faults-{uuid.uuid4().hex[:8]}",
+        dtype="float32",
+        env={
+            "LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), "LLMD_LOG_LEVEL": "WARNING",
+            "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1",
+        },
+    )  # fmt: skip
+    with Stack(config) as stack:
+        yield stack
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{stack.namespace}:*"):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def rds(stack: Stack) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    yield client
+    client.close()
+
+
+def live_decode(rds: redis.Redis, keys: Keys) -> list[WorkerStatus]:
+    statuses = [decode(v) for v in rds.hgetall(keys.workers("decode")).values()]
+    return [s for s in statuses if isinstance(s, WorkerStatus) and rds.exists(keys.alive(s.worker_id))]
+
+
+def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up after {BOUND_S:.0f}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def assert_clean(rds: redis.Redis, keys: Keys) -> None:
+    """Every live decode pool empty, and no stream entry left unacknowledged."""
+    until(lambda: all(s.free_blocks == s.total_blocks and s.num_running == 0 for s in live_decode(rds, keys)),
+          "every decode worker to free its blocks")
+    assert rds.xpending(keys.requests, PREFILL_GROUP)["pending"] == 0
+    for status in live_decode(rds, keys):
+        until(lambda: rds.xpending(status.inbox, INBOX_GROUP)["pending"] == 0, f"{status.worker_id}'s inbox")
+
+
+def seeded(client: OpenAI, model: str, on_token: Callable[[int], None] = lambda n: None) -> str:
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=1.0, seed=11, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+    )
+    text, num_chunks, usage = "", 0, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            num_chunks += 1
+            on_token(num_chunks)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == NUM_TOKENS
+    return text
+
+
+def test_a_decode_worker_killed_mid_generation_has_its_request_migrated_seamlessly(
+    client: OpenAI, model: str, stack: Stack, rds: redis.Redis
+) -> None:
+    keys = stack.keys
+    expected = seeded(client, model)
+    victims: list[str] = []
+
+    def kill_holder(num_chunks: int) -> None:
+        if num_chunks != 8 or victims:
+            return
+        holders = [s.worker_id for s in live_decode(rds, keys) if s.num_running > 0]
+        assert len(holders) == 1, f"expected one decode worker holding the request, got {holders}"
+        victims.append(holders[0])
+        assert stack.stop_worker(holders[0], signal.SIGKILL) < 0
+
+    text = seeded(client, model, kill_holder)
+
+    assert len(victims) == 1
+    assert text == expected  # no token lost, none doubled, and the seed holds across the take-over
+    assert [s.worker_id for s in live_decode(rds, keys)] != victims
+    assert_clean(rds, keys)
+    stack.add_worker("decode")  # back to two for the next test
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(
+    client: OpenAI, model: str, stack: Stack, rds: redis.Redis
+) -> None:
+    stream = client.completions.create(
+        model=model, prompt="Tell me a long story.", max_tokens=1200, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    until(lambda: sum(s.num_running for s in live_decode(rds, stack.keys)) == 1, "the request to reach decode")
+    stream.close()
+    assert_clean(rds, stack.keys)

@@ -1,0 +1,99 @@
+"""Scaling a running stack: workers added while requests stream take work, a decode worker removed
+with SIGTERM drains, and every request completes; the launcher's stdin commands do the same."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from openai import OpenAI
+
+from services.launcher import Stack, StackConfig, apply_command
+from shared.streams import PREFILL_GROUP
+from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+NUM_REQUESTS = 24
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    config = StackConfig(
+        port=0, num_prefill=1, num_decode=1, redis_url="redis://127.0.0.1:6379/0",
+        namespace=f"test-scaling-{uuid.uuid4().hex[:8]}", dtype="float32",
+        env={"LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), "LLMD_LOG_LEVEL": "WARNING",
+             "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1"},
+    )  # fmt: skip
+    with Stack(config) as stack:
+        yield stack
+    client = redis.Redis.from_url(config.redis_url or "")
+    for key in client.scan_iter(f"{stack.namespace}:*"):
+        client.delete(key)
+    client.close()
+
+
+def worker_tokens(stack: Stack) -> dict[str, float]:
+    with urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    pattern = r'^llmd_worker_tokens_total\{[^}]*worker_id="([^"]+)"\} (\S+)$'
+    return {worker_id: float(value) for worker_id, value in re.findall(pattern, text, re.MULTILINE)}
+
+
+def test_workers_added_and_removed_under_load_serve_and_lose_nothing(stack: Stack) -> None:
+    rds = redis.Redis.from_url(stack.redis_url or "")
+    results: dict[int, tuple[int, str | None] | BaseException] = {}
+
+    def run(client: OpenAI, model: str, i: int) -> None:
+        try:
+            completion = client.completions.create(
+                model=model, prompt=f"Request {i}: write a short poem about the number {i}.", max_tokens=12,
+                temperature=0.0, extra_body={"ignore_eos": True},
+            )
+            results[i] = (completion.usage.completion_tokens if completion.usage else -1,
+                          completion.choices[0].finish_reason)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            results[i] = e
+
+    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
+        model = client.models.list().data[0].id
+        sema = threading.Semaphore(4)  # a steady stream, not one burst
+
+        def paced(i: int) -> None:
+            with sema:
+                run(client, model, i)
+
+        threads = [threading.Thread(target=paced, args=(i,)) for i in range(NUM_REQUESTS)]
+        for t in threads[: NUM_REQUESTS // 2]:
+            t.start()
+        # scale up while the first half runs (workers must start on this thread: they die with it)
+        assert apply_command(stack, "+prefill") == "started prefill-1"
+        assert apply_command(stack, "+decode") == "started decode-1"
+        stack.wait_registered("prefill-1")
+        stack.wait_registered("decode-1")
+        for t in threads[NUM_REQUESTS // 2:]:
+            t.start()
+        until(lambda: {"prefill-1", "decode-1"} <= {w for w, n in worker_tokens(stack).items() if n > 0}
+              or all(not t.is_alive() for t in threads), "the added workers to take work")
+        # scale down: the newest decode worker drains while requests still run
+        assert apply_command(stack, "-decode") == "draining decode-1 (SIGTERM)"
+        for t in threads:
+            t.join(BOUND_S)
+
+    served = worker_tokens(stack)
+    assert served.get("prefill-1", 0) > 0 and served.get("decode-1", 0) > 0, served
+    assert results == {i: (12, "length") for i in range(NUM_REQUESTS)}
+    until(lambda: "decode-1" not in stack.exited() and "decode-1" not in stack.children, "decode-1 to exit")
+    assert rds.hget(stack.keys.workers("decode"), "decode-1") is None  # deregistered, not dead
+    assert apply_command(stack, "-decode") == "not removing the last decode worker"
+    assert [s.worker_id for s in live_decode(rds, stack.keys)] == ["decode-0"]
+    assert_clean(rds, stack.keys)
+    assert rds.xpending(stack.keys.requests, PREFILL_GROUP)["pending"] == 0
+    assert apply_command(stack, "*decode").startswith("unknown command")
+    rds.close()
