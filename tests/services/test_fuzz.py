@@ -15,21 +15,25 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol import GenerateRequest, TokenBatch, TokenUpdate
-from shared.streams import Bus
+from shared.streams import REDIS_ERRORS, Bus, with_backoff
 
 from tests.services.test_gateway import MODEL, WORLD, Start, bus, namespace, post, start, tokenizer  # noqa: F401
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(180)
 
 NUM_FUZZ_REQUESTS = 1200
 CONCURRENCY = 8
 
 
-async def answer_everything(bus: Bus, seen: list[GenerateRequest]) -> None:
-    """A worker pool that finishes every request with one token."""
+async def answer_everything(bus: Bus, seen: list[GenerateRequest], stop: asyncio.Event) -> None:
+    """A worker pool that finishes every request with one token. Stopped by `stop`, not by a cancel:
+    on Python 3.11 a cancel that lands inside a redis-py command can be swallowed."""
     last_id = b"0-0"
-    while True:
-        entries = await bus.read(bus.keys.requests, last_id, count=64, block_ms=100)
+    while not stop.is_set():
+        try:
+            entries = await bus.read(bus.keys.requests, last_id, count=64, block_ms=100)
+        except REDIS_ERRORS:  # the shared Redis is slow under load at times; a real worker rides it out too
+            continue
         for entry_id, msg in entries:
             last_id = entry_id
             assert isinstance(msg, GenerateRequest)
@@ -38,15 +42,16 @@ async def answer_everything(bus: Bus, seen: list[GenerateRequest]) -> None:
                 req_id=msg.req_id, attempt=msg.attempt, index=len(msg.output_token_ids), token_ids=[WORLD],
                 finish_reason="length", num_prompt_tokens=len(msg.prompt_token_ids), worker_id="decode-fuzz",
             )  # fmt: skip
-            await bus.send(bus.keys.replies(msg.gateway_id), TokenBatch([update]))
+            await with_backoff(lambda: bus.send(bus.keys.replies(msg.gateway_id), TokenBatch([update])), "replying")
 
 
 @pytest.fixture
 async def worker_pool(bus: Bus) -> AsyncIterator[list[GenerateRequest]]:
     seen: list[GenerateRequest] = []
-    task = asyncio.create_task(answer_everything(bus, seen))
+    stop = asyncio.Event()
+    task = asyncio.create_task(answer_everything(bus, seen, stop))
     yield seen
-    task.cancel()
+    stop.set()
     await asyncio.gather(task, return_exceptions=True)
 
 
@@ -204,6 +209,7 @@ async def test_fuzzed_requests_never_get_a_5xx(start: Start, worker_pool: list[G
             raw = await resp.read()
         statuses[resp.status] = statuses.get(resp.status, 0) + 1
         if resp.status >= 400:
+            assert resp.status < 500, (path, body, resp.status, raw[:300])
             assert_openai_error(resp.status, json.loads(raw))
         else:
             assert resp.status == 200, (path, body, resp.status, raw[:300])

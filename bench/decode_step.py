@@ -1,0 +1,67 @@
+"""Decode step time against batch size, and where the time goes.
+
+    python -m bench.decode_step [--dtype bfloat16] [--batch-sizes 1,16,64] [--context 256]
+
+For each batch size: prefill that many random prompts of `--context` tokens, then time decode
+steps (best of 5) and print tokens/s; for the largest batch, print the torch profiler's top
+operators by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import LoadedModel, load_model
+from shared.settings import EngineSettings, KVCacheSettings, ModelSettings, SchedulerSettings
+
+
+def decode_engine(loaded: LoadedModel, dtype: str, batch_size: int, context: int) -> Engine:
+    engine = Engine(EngineSettings(
+        model=ModelSettings(dtype=dtype, device="cpu"),  # type: ignore[arg-type]
+        kv_cache=KVCacheSettings(memory_bytes=2**30),
+        scheduler=SchedulerSettings(max_num_batched_tokens=max(2048, batch_size * context), max_num_seqs=batch_size),
+    ), loaded)
+    rng = random.Random(0)
+    for i in range(batch_size):
+        engine.add_request(str(i), [rng.randrange(1000, 20000) for _ in range(context)],
+                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()
+    return engine
+
+
+def best_step_seconds(engine: Engine, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--context", type=int, default=256)
+    args = parser.parse_args()
+    loaded = load_model(None)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    print("| batch | step ms | tokens/s |\n|---|---|---|")
+    for bs in batch_sizes:
+        engine = decode_engine(loaded, args.dtype, bs, args.context)
+        seconds = best_step_seconds(engine)
+        print(f"| {bs} | {seconds * 1e3:.1f} | {bs / seconds:.0f} |")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
