@@ -30,7 +30,7 @@ def port() -> Iterator[int]:
         process = subprocess.Popen(
             [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", workdir, "--requirepass", PASSWORD,
-             "--user", f"{ACL_USER} on >{ACL_PASSWORD} ~llmd-acl:* +@all"],
+             "--user", ACL_USER, "on", f">{ACL_PASSWORD}", "~llmd-acl:*", "+@all"],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         client = redis.Redis(port=port, password=PASSWORD, socket_timeout=1)
