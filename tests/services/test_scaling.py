@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from services.launcher import Stack, StackConfig, apply_command
 from shared.streams import PREFILL_GROUP
+from tests.services.stack_client import REDIS_URL
 from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,7 +27,7 @@ NUM_REQUESTS = 24
 @pytest.fixture
 def stack() -> Iterator[Stack]:
     config = StackConfig(
-        port=0, num_prefill=1, num_decode=1, redis_url="redis://127.0.0.1:6379/0",
+        port=0, num_prefill=1, num_decode=1, redis_url=REDIS_URL,
         namespace=f"test-scaling-{uuid.uuid4().hex[:8]}", dtype="float32",
         env={"LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), "LLMD_LOG_LEVEL": "WARNING",
              "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1"},
