@@ -246,10 +246,7 @@ def _decode_ref(
         out = F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=gqa)
     else:
         valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [num_reqs, max_len]
-        # slots past a request's end may never have been written (NaN); a masked score still
-        # multiplies its value, so zero them
-        k.masked_fill_(~valid[:, None, :, None], 0.0)
-        v.masked_fill_(~valid[:, None, :, None], 0.0)
+        # padded slots are masked out of the softmax, so their (finite) values get weight 0
         mask = valid[:, None, None, :]  # [num_reqs, 1, 1, max_len]
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(2)  # [num_reqs, num_heads, head_dim]
@@ -394,7 +391,9 @@ def paged_attention(
     Request i owns q rows query_start_loc[i]:query_start_loc[i+1], the last positions of its
     seq_lens[i] tokens, whose K/V must already be in the cache. `max_query_len` (host int) is
     the longest of those row ranges; 1 selects the decode path. Returns [num_tokens,
-    num_heads, head_dim] in q's dtype. On CPU, equal-length decode batches and fresh prompts
+    num_heads, head_dim] in q's dtype. Cache slots past a request's length must hold finite
+    values (the engine zero-initialises its pool): the CPU reference reads and masks them
+    rather than spending a pass on zeroing them. On CPU, equal-length decode batches and fresh prompts
     match Hugging Face's SDPA attention bit for bit; mixed-length decode batches agree to
     float rounding (padding changes SDPA's vector tails).
     """

@@ -31,20 +31,24 @@ class PagedBatch:
         )
 
 
+POISON = 3.0e4
+
+
 def make_paged_batch(
     seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
     block_size: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0,
 ) -> PagedBatch:
-    """Scatter random K/V over shuffled blocks of a NaN-filled cache.
+    """Scatter random K/V over shuffled blocks of a cache filled with a huge finite value.
 
-    Unwritten slots are NaN and table padding is out of range, so any read of either shows.
+    Unwritten slots hold POISON and table padding is out of range, so any read of either that
+    is not masked out shows. (Finite, as the paged_attention contract requires of unwritten slots.)
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_req) + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    k_cache = torch.full(shape, POISON, dtype=dtype)
+    v_cache = torch.full(shape, POISON, dtype=dtype)
     # one spare column of padding past the longest request
     block_tables = torch.full((len(seq_lens), max(blocks_per_req) + 1), PADDING_BLOCK_ID, dtype=torch.int32)
     free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
