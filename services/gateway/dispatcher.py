@@ -39,6 +39,7 @@ class Dispatcher:
 
     async def submit(self, reqs: list[InflightRequest]) -> None:
         """Queue `reqs` for the prefill pool; their replies are routed from now on."""
+        await self._router.wait_ready()
         for req in reqs:
             self._router.register(req)  # before the XADD, so no reply can arrive unrouted
             self._inflight[req.req_id] = req

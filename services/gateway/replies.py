@@ -17,6 +17,8 @@ import secrets
 import time
 
 from services.gateway.inflight import InflightRequest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from shared.protocol import Message, TokenBatch
 from shared.streams import REDIS_ERRORS, Bus, with_backoff
 
@@ -26,6 +28,7 @@ READ_COUNT = 512
 READ_BLOCK_MS = 1000
 MAX_BACKOFF_S = 2.0
 EPOCH_CHECK_INTERVAL_S = 0.5
+READY_TIMEOUT_S = 2.0  # how long a request waits for the reader's start-up before a 503
 EPOCH_TTL_S = 3600  # refreshed every check; outlives a gateway that died without cleaning up only this long
 
 
@@ -41,11 +44,21 @@ class ReplyRouter:
         self._registered_at: dict[str, float] = {}  # monotonic
         self._failed_at: float | None = None  # monotonic: the last Redis error since the epoch was confirmed
         self._stopping = asyncio.Event()
+        self._ready = asyncio.Event()  # set once the start-up clean-up of the stream is done
         self.num_requeued = 0
 
     def register(self, req: InflightRequest) -> None:
         self._requests[req.req_id] = req
         self._registered_at[req.req_id] = time.monotonic()
+
+    async def wait_ready(self) -> None:
+        """Block until replies can be routed: a request queued before the start-up clean-up of the
+        stream could have its replies deleted by it."""
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await self._ready.wait()
+        except TimeoutError:
+            raise RedisConnectionError(f"{self.stream} is not ready: Redis has been unreachable since start-up") from None
 
     def unregister(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -61,6 +74,7 @@ class ReplyRouter:
         # entries left by an earlier process with this gateway id answer requests nobody waits for
         await with_backoff(lambda: self._bus.redis.delete(self.stream), f"clearing {self.stream}", self._stopping)
         await with_backoff(self._mark_epoch, "marking the gateway's epoch", self._stopping)
+        self._ready.set()
         last_id = b"0-0"
         delay = 0.05
         while not self._stopping.is_set():

@@ -199,8 +199,8 @@ def generate_requests(num: int) -> list[tuple[str, bytes]]:
 
 @pytest.fixture(scope="module")
 def fuzz_requests() -> list[tuple[str, bytes]]:
-    # generated before any event loop runs: hypothesis blocks for seconds, and a loop frozen
-    # that long times out the gateway's Redis reads (a fault of its own, not input handling)
+    # generated before any event loop runs: hypothesis takes seconds, which would freeze the
+    # gateway under test for that long
     return generate_requests(NUM_FUZZ_REQUESTS)
 
 
