@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install run test test-fast bench bench-engine clean
+.PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
+	bench-handoff bench-side-by-side clean
 
 install: $(STAMP)
 
@@ -24,15 +25,32 @@ run: install
 	$(PY) -m services.launcher $(ARGS)
 
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
+# Each comparison of docs/benchmarks.md is one command; `make bench` runs them all (about an hour on 2 cores).
 bench-engine: install
 	$(PY) -m bench.engine $(ARGS)
 
-bench: bench-engine
+bench-kv-reservation: install
+	$(PY) -m bench.kv_reservation $(ARGS)
+
+bench-interference: install
+	$(PY) -m bench.interference $(ARGS)
+
+bench-prefix-cache: install
+	$(PY) -m bench.prefix_cache $(ARGS)
+
+bench-handoff: install
+	$(PY) -m bench.handoff $(ARGS)
+
+# ARGS="--llama-server /path/to/llama-server" adds llama.cpp's server (docs/benchmarks.md says how to build it)
+bench-side-by-side: install
+	$(PY) -m bench.side_by_side $(ARGS)
+
+bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

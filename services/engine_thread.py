@@ -55,12 +55,16 @@ class EngineThread:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
 
-    async def step(self) -> list[RequestOutput]:
-        return await self.call(self._step)
+    async def step(self, then: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """One engine step; `then(outputs)` runs right after it on the engine thread, before any call
+        queued meanwhile (which would otherwise wait for the next step)."""
+        return await self.call(self._step, then)
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, then: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         outputs = self.engine.step()
         self._stepped_at = self._clock()
+        if then is not None and outputs:
+            then(outputs)
         return outputs
 
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:

@@ -1,7 +1,9 @@
 """Runs the whole stack on one machine: Redis (unless REDIS_URL is set), one gateway, N prefill and
-M decode workers, each its own process.
+M decode workers, and K colocated workers (one engine doing both, for comparison), each its own
+process.
 
     python -m services.launcher --port 8000 --prefill 1 --decode 1 --model PATH --dtype auto
+    python -m services.launcher --prefill 0 --decode 0 --colocated 1
 
 Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID; the CPU cores are shared
 out through LLMD_TORCH_THREADS. Ctrl-C or SIGTERM stops everything: SIGTERM (workers drain),
@@ -10,9 +12,11 @@ for tests and scripts, and can add and stop workers while it runs.
 
 Scaling at run time: the CLI reads commands on stdin, one per line:
 
-    +prefill, +decode   start one more worker of that role (it takes work once its heartbeat is up)
-    -prefill, -decode   SIGTERM the newest worker of that role: it drains (takes no new work,
-                        finishes what it holds) and deregisters; refused for the last one
+    +prefill, +decode, +colocated   start one more worker of that role (it takes work once its
+                                    heartbeat is up)
+    -prefill, -decode, -colocated   SIGTERM the newest worker of that role: it drains (takes no new
+                                    work, finishes what it holds) and deregisters; refused for the
+                                    last one
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from shared.streams import Keys
 
 logger = logging.getLogger("launcher")
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "colocated")
 PR_SET_PDEATHSIG = 1
 
 
@@ -60,12 +64,15 @@ class StackConfig:
     host: str = "127.0.0.1"
     num_prefill: int = 1
     num_decode: int = 1
+    num_colocated: int = 0
     model: str = "default"
     dtype: str = "auto"
     gateway: bool = True
     redis_url: str | None = None  # None: $REDIS_URL or $LLMD_REDIS__URL, else a private server
     namespace: str | None = None  # None: LLMD_REDIS__NAMESPACE or the settings' default
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every child
+    # extra environment for the workers of one role, e.g. {"decode": {"LLMD_WORKER__CPUS": "1"}}
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
 
@@ -193,10 +200,9 @@ class Stack:
         if self.redis_url is None:
             self._redis_server = RedisServer()
             self.redis_url = self._redis_server.start()
-        num_workers = cfg.num_prefill + cfg.num_decode
-        self._torch_threads = max(1, len(os.sched_getaffinity(0)) // max(1, num_workers))
-        names = [self.add_worker(role, wait=False) for role, n in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode))
-                 for _ in range(n)]
+        counts = {"prefill": cfg.num_prefill, "decode": cfg.num_decode, "colocated": cfg.num_colocated}
+        self._torch_threads = max(1, len(os.sched_getaffinity(0)) // max(1, sum(counts.values())))
+        names = [self.add_worker(role, wait=False) for role, n in counts.items() for _ in range(n)]
         if cfg.gateway:
             port = cfg.port or free_port(cfg.host)
             self._spawn("gateway", "gateway", {"LLMD_GATEWAY__HOST": cfg.host, "LLMD_GATEWAY__PORT": str(port)})
@@ -207,21 +213,22 @@ class Stack:
             self._wait_gateway_ready()
         return self.base_url
 
-    def add_worker(self, role: str, wait: bool = True) -> str:
-        """Start one more worker of `role`; with `wait`, return once its heartbeat is published."""
+    def add_worker(self, role: str, wait: bool = True, module: list[str] | None = None) -> str:
+        """Start one more worker of `role`; with `wait`, return once its heartbeat is published.
+        `module`: what `python -m` runs instead of `services.<role>`, with its arguments (a test's faulty worker)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         name = f"{role}-{self._next_index[role]}"
         self._next_index[role] += 1
-        threads = self.config.env.get("LLMD_TORCH_THREADS") or os.environ.get("LLMD_TORCH_THREADS") or str(
-            self._torch_threads
-        )
+        role_env = self.config.role_env.get(role, {})
+        threads = {**os.environ, **self.config.env, **role_env}.get("LLMD_TORCH_THREADS") or str(self._torch_threads)
         self._spawn(name, role, {
+            **role_env,
             "LLMD_WORKER__WORKER_ID": name,
             "LLMD_WORKER__HEALTH_PORT": "0",
             "LLMD_TORCH_THREADS": threads,
             "OMP_NUM_THREADS": threads,
-        })
+        }, module)
         if wait:
             self.wait_registered(name)
         return name
@@ -307,11 +314,11 @@ class Stack:
                 raise StackError(f"timed out after {self.config.ready_timeout_s:.0f}s waiting for {what}")
             time.sleep(0.1)
 
-    def _spawn(self, name: str, role: str, extra_env: dict[str, str]) -> None:
+    def _spawn(self, name: str, role: str, extra_env: dict[str, str], module: list[str] | None = None) -> None:
         env = {**os.environ, **self._common_env(), **extra_env}
         # preexec_fn only makes one prctl call, resolved beforehand, so it is safe with threads
         process = subprocess.Popen(
-            [sys.executable, "-m", f"services.{role}"], env=env, start_new_session=True,
+            [sys.executable, "-m", *(module or [f"services.{role}"])], env=env, start_new_session=True,
             preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
         self.children[name] = Child(name, role, process)
@@ -350,13 +357,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="gateway address")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--colocated", type=int, default=0,
+                        help="number of colocated workers (prefill and decode in one engine)")
     parser.add_argument("--model", default="default", help="a .gguf file or a Hugging Face checkpoint folder")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--no-gateway", action="store_true", help="start Redis and the workers only")
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds to drain on stop before SIGKILL")
     args = parser.parse_args(argv)
-    if args.prefill < 1 or args.decode < 1:
-        parser.error("--prefill and --decode must be at least 1")
+    if min(args.prefill, args.decode, args.colocated) < 0:
+        parser.error("--prefill, --decode and --colocated must be at least 0")
+    if (args.prefill < 1 or args.decode < 1) and not (args.prefill == args.decode == 0 and args.colocated > 0):
+        parser.error("--prefill and --decode must both be at least 1, or both 0 with --colocated at least 1")
     return args
 
 
@@ -364,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s")
     stack = Stack(StackConfig(
-        port=args.port, host=args.host, num_prefill=args.prefill, num_decode=args.decode, model=args.model,
-        dtype=args.dtype, gateway=not args.no_gateway, stop_timeout_s=args.stop_timeout,
+        port=args.port, host=args.host, num_prefill=args.prefill, num_decode=args.decode,
+        num_colocated=args.colocated, model=args.model, dtype=args.dtype, gateway=not args.no_gateway,
+        stop_timeout_s=args.stop_timeout,
     ))
     stop = threading.Event()
 
@@ -379,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base_url = stack.start()
         where = base_url or f"workers only, Redis at {stack.redis_url} namespace {stack.namespace}"
-        print(f"serving {args.prefill} prefill + {args.decode} decode worker(s): {where}  (Ctrl-C to stop; "
-              "+prefill/+decode/-prefill/-decode on stdin to scale)", flush=True)
+        print(f"serving {args.prefill} prefill + {args.decode} decode + {args.colocated} colocated worker(s): "
+              f"{where}  (Ctrl-C to stop; +ROLE/-ROLE on stdin to scale)", flush=True)
         commands: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_read_commands, args=(commands,), daemon=True, name="stdin").start()
         return _watch(stack, stop, commands)
@@ -402,7 +414,7 @@ def apply_command(stack: Stack, command: str) -> str:
     Runs on the thread that started the stack: children die with the thread that spawned them."""
     sign, role = command[:1], command[1:].strip()
     if sign not in ("+", "-") or role not in ROLES:
-        return f"unknown command {command!r}: use +prefill, +decode, -prefill or -decode"
+        return f"unknown command {command!r}: use +ROLE or -ROLE with ROLE one of {', '.join(ROLES)}"
     if sign == "+":
         return f"started {stack.add_worker(role, wait=False)}"
     name = stack.newest_worker(role)

@@ -11,6 +11,7 @@ A subclass names its `role`, supplies its loops (`serve_tasks`), says when it ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -18,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,12 +32,13 @@ from shared.engine.engine import RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.loader import ModelNotFoundError, resolve_model_path
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
-from shared.settings import WorkerServiceSettings
+from shared.settings import WorkerServiceSettings, parse_cpu_list
 from shared.streams import INBOX_GROUP, REDIS_ERRORS, Bus, with_backoff
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, Message | None], Awaitable[None]]
+Ack = tuple[str, str, bytes]  # stream, consumer group, entry id
 READ_BLOCK_MS = 200  # how long a read may block: bounds how late a worker notices it should stop
 TRIM_EVERY_BEATS = 20
 REPORT_EVERY_S = 10.0
@@ -71,12 +73,38 @@ def token_update(out: RequestOutput, attempt: int, index: int, worker_id: str) -
     )
 
 
-async def send_many(bus: Bus, items: list[tuple[str, Message]]) -> None:
-    """XADD several messages in one round trip, in order; entries are laid out as `Bus.send` does."""
+async def send_many(bus: Bus, items: list[tuple[str, Message]], acks: Sequence[Ack] = ()) -> None:
+    """XADD several messages in one round trip, in order, then XACK `acks`: Redis runs a pipeline in
+    order, so an entry is never acknowledged without the messages before it. Entries are laid out
+    as `Bus.send` does."""
     pipe = bus.redis.pipeline(transaction=False)
     for stream, msg in items:
         pipe.xadd(stream, {"m": encode(msg)})
+    for stream, group, entry_id in acks:
+        pipe.xack(stream, group, entry_id)
     await pipe.execute()
+
+
+class CpuPinError(ValueError):
+    pass
+
+
+def pin_to_cpus(cpus: str) -> None:
+    """Run every thread of this process, and the threads they start, on the CPUs of `cpus` (the
+    syntax of `WorkerSettings.cpus`); '' leaves the affinity alone."""
+    wanted = parse_cpu_list(cpus)
+    if not wanted:
+        return
+    available = os.sched_getaffinity(0)
+    if not wanted <= available:
+        raise CpuPinError(
+            f"cpus {cpus!r} names CPUs {sorted(wanted - available)} this process may not run on; "
+            f"available: {sorted(available)}"
+        )
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), wanted)
+    logger.info("pinned to CPUs %s", sorted(wanted))
 
 
 class Worker:
@@ -117,6 +145,10 @@ class Worker:
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         raise NotImplementedError
+
+    def after_step_on_engine_thread(self, outputs: list[RequestOutput]) -> None:
+        """Engine work for a step's outputs that must not wait for the next step; runs on the
+        engine thread, before `on_outputs`."""
 
     def report(self, interval_s: float) -> str | None:
         """A line for the log summing up the last `interval_s` seconds; None when there was nothing."""
@@ -224,7 +256,8 @@ class Worker:
                 self._work.clear()
                 continue
             num_steps = self.engine.num_steps
-            outputs = await self.engine.step()  # an engine error ends the loop, and with it the worker
+            # an engine error ends the loop, and with it the worker
+            outputs = await self.engine.step(self.after_step_on_engine_thread)
             if outputs:
                 try:
                     await self.on_outputs(outputs)
@@ -275,9 +308,9 @@ class Worker:
     async def send(self, stream: str, msg: Message) -> None:
         await with_backoff(lambda: self.bus.send(stream, msg), f"sending {msg.TYPE}", self.stopped)
 
-    async def send_many(self, items: list[tuple[str, Message]]) -> None:
-        if items:
-            await with_backoff(lambda: send_many(self.bus, items), "sending token batches", self.stopped)
+    async def send_many(self, items: list[tuple[str, Message]], acks: Sequence[Ack] = ()) -> None:
+        if items or acks:
+            await with_backoff(lambda: send_many(self.bus, items, acks), "sending token batches", self.stopped)
 
     async def ack(self, stream: str, group: str, entry_id: bytes) -> None:
         await with_backoff(lambda: self.bus.ack(stream, group, entry_id), f"acknowledging {stream}", self.stopped)
@@ -301,6 +334,7 @@ class Worker:
             num_waiting=stats.num_waiting + stats.num_importing,
             timestamp=time.time(),
             draining=self.draining,
+            health_port=self.health_port,
         )
 
     def beat_now(self) -> None:
@@ -384,7 +418,7 @@ def _log_crash(task: asyncio.Task[Any]) -> None:
 
 
 def main(worker_cls: type[Worker]) -> None:
-    """Entry point of `python -m services.prefill` / `python -m services.decode`: settings from the environment."""
+    """Entry point of `python -m services.<role>` (prefill, decode, colocated): settings from the environment."""
     settings = WorkerServiceSettings()
     worker = worker_cls(settings)
     logging.basicConfig(
@@ -392,8 +426,9 @@ def main(worker_cls: type[Worker]) -> None:
         format=f"%(asctime)s %(levelname)s [{worker.worker_id}] %(name)s: %(message)s",
     )
     try:
+        pin_to_cpus(settings.worker.cpus)
         asyncio.run(worker.run())
-    except ModelNotFoundError as e:
+    except (ModelNotFoundError, CpuPinError) as e:
         logger.error("%s", e)
         sys.exit(1)
     sys.exit(1 if worker.failed else 0)

@@ -181,9 +181,17 @@ class KVReady(Message):
 
 @dataclass(slots=True)
 class Cancel(Message):
+    """Stop a request. `attempt` fences the cancel: a worker holding a later attempt (the request
+    was re-queued meanwhile) ignores it; None cancels whatever attempt is held."""
+
     TYPE: ClassVar[str] = "cancel"
     req_id: str
     reason: str = "client disconnected"
+    attempt: int | None = None
+
+    def covers(self, attempt: int) -> bool:
+        """Whether this cancel applies to `attempt` of its request."""
+        return self.attempt is None or self.attempt >= attempt
 
 
 @dataclass(slots=True)
@@ -200,3 +208,4 @@ class WorkerStatus(Message):
     num_waiting: int
     timestamp: float
     draining: bool = False
+    health_port: int | None = None  # of /health and /metrics, so tools find workers started with port 0

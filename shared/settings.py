@@ -37,10 +37,17 @@ class KVCacheSettings(BaseModel):
         return v
 
 
+KVReservation = Literal["paged", "max_length"]
+
+
 class SchedulerSettings(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     max_num_seqs: int = Field(128, ge=1, description="cap on requests running at once")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    kv_reservation: KVReservation = Field(
+        "paged", description="paged: KV blocks are taken as a request grows; max_length: a request is admitted only "
+        "when blocks for its prompt + max_tokens are free, and takes them all at admission (as servers before "
+        "PagedAttention, e.g. FasterTransformer and Orca, reserved); for comparison")
 
 
 class EngineSettings(BaseModel):
@@ -87,6 +94,18 @@ class EngineServiceSettings(_Base):
         return self
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a list like '0', '0-3' or '0,2,4-5' (Linux cpuset syntax); empty for ''."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, sep, last = part.partition("-")
+        last = last if sep else first
+        if not (first.isdigit() and last.isdigit()) or int(last) < int(first):
+            raise ValueError(f"cpus {text!r} is not a CPU list like '0', '0-1' or '0,2' (at {part!r})")
+        cpus.update(range(int(first), int(last) + 1))
+    return cpus
+
+
 class WorkerSettings(BaseModel):
     worker_id: str | None = Field(None, description="unique id (default: host-pid-random)")
     health_host: str = Field("127.0.0.1", description="listen address of /health and /metrics")
@@ -96,6 +115,13 @@ class WorkerSettings(BaseModel):
     max_deliveries: int = Field(3, ge=1, description="deliveries of one request before it is dead-lettered")
     handoff_timeout_s: float = Field(10.0, gt=0, description="bound on waiting for the other side of a KV handoff")
     stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
+    cpus: str = Field("", description="CPUs the worker runs on, e.g. '0', '0-1' or '0,2'; empty = any")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpu_list(cls, v: str) -> str:
+        parse_cpu_list(v)
+        return v
 
     @model_validator(mode="after")
     def _ttl_covers_heartbeats(self) -> WorkerSettings:

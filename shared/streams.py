@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_GROUP = "prefill"
 INBOX_GROUP = "worker"
+# The worker roles that can run each stage of a request: colocated workers prefill and decode
+STAGE_ROLES = {"prefill": ("prefill", "colocated"), "decode": ("decode", "colocated")}
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 T = TypeVar("T")
 

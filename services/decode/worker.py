@@ -21,11 +21,20 @@ from typing import Any
 import torch
 
 from services.kv_connector import KVTransferError, RedisKVConnector
-from services.worker_base import Worker, token_update
+from services.token_stream import Active, TokenStream
+from services.worker_base import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
 from shared.engine.request import ReqId
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
-from shared.protocol import Cancel, HandoffAccept, HandoffOffer, KVReady, Message, TokenBatch, TokenUpdate
+from shared.protocol import (
+    Cancel,
+    HandoffAccept,
+    HandoffOffer,
+    KVReady,
+    Message,
+    TokenBatch,
+    TokenUpdate,
+)
 from shared.settings import WorkerServiceSettings
 from shared.streams import INBOX_GROUP
 
@@ -39,15 +48,6 @@ class Reservation:
     offer: HandoffOffer
     needed_blocks: list[int]
     expiry: asyncio.TimerHandle
-
-
-@dataclass(slots=True)
-class Active:
-    """A request in the engine, and where its tokens go."""
-
-    gateway_id: str
-    attempt: int
-    next_index: int  # output position of the next token
 
 
 @dataclass(slots=True)
@@ -93,16 +93,16 @@ class DecodeWorker(Worker):
         super().__init__(settings)
         self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=settings.worker.handoff_timeout_s * 3)
         self._reserved: dict[str, Reservation] = {}
-        self._active: dict[str, Active] = {}
-        self._outbox: asyncio.Queue[list[tuple[str, Message]]] = asyncio.Queue()
-        self._num_unsent = 0
+        self.tokens = TokenStream(self)
         self._tally = Tally()
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
-        return [self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped), self._send_loop()]
+        inbox = self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped)
+        return [inbox, self.tokens.send_loop()]
 
     def is_idle(self) -> bool:
-        return not self._reserved and not self._active and self._num_unsent == 0 and not self.has_helpers
+        tokens = self.tokens
+        return not self._reserved and not tokens.active and tokens.num_unsent == 0 and not self.has_helpers
 
     def report(self, interval_s: float) -> str | None:
         tally, self._tally = self._tally, Tally()
@@ -147,7 +147,7 @@ class DecodeWorker(Worker):
     def _known_attempt(self, req_id: str) -> int | None:
         if (held := self._reserved.get(req_id)) is not None:
             return held.offer.attempt
-        if (active := self._active.get(req_id)) is not None:
+        if (active := self.tokens.active.get(req_id)) is not None:
             return active.attempt
         return None
 
@@ -208,12 +208,12 @@ class DecodeWorker(Worker):
         held.expiry.cancel()
         offer = held.offer
         # active before the engine call: a Cancel from here on finds the request and aborts it after the commit
-        self._active[msg.req_id] = Active(offer.gateway_id, offer.attempt, len(offer.output_token_ids))
+        self.tokens.active[msg.req_id] = Active(offer.gateway_id, offer.attempt, len(offer.output_token_ids))
         try:
             await self.engine.call(import_kv, self.engine.engine, msg.req_id, msg.block_positions, data)
         except Exception as e:
             logger.exception("importing the KV of %s failed", msg.req_id)
-            self._active.pop(msg.req_id, None)
+            self.tokens.active.pop(msg.req_id, None)
             await self._fail(offer, f"KV import failed: {e}")
         else:
             self.wake_engine()
@@ -222,14 +222,20 @@ class DecodeWorker(Worker):
         await self._discard(msg.location)
 
     async def _on_cancel(self, msg: Cancel) -> None:
-        if msg.req_id in self._reserved or msg.req_id in self._active:
-            await self._abort(msg.req_id, msg.reason)
+        held_attempt = self._known_attempt(msg.req_id)
+        if held_attempt is None:
+            return
+        if not msg.covers(held_attempt):  # meant for an attempt this worker no longer runs
+            logger.info("ignoring a cancel of %s attempt %s (%s): attempt %d runs here", msg.req_id, msg.attempt,
+                        msg.reason, held_attempt)
+            return
+        await self._abort(msg.req_id, msg.reason)
 
     async def _abort(self, req_id: str, reason: str) -> None:
         held = self._reserved.pop(req_id, None)
         if held is not None:
             held.expiry.cancel()
-        self._active.pop(req_id, None)
+        self.tokens.active.pop(req_id, None)
         await self.engine.call(self.engine.engine.abort_request, req_id)
         self._tally.num_cancelled += 1
         logger.info("aborted %s (%s); its blocks are free", req_id, reason)
@@ -248,31 +254,6 @@ class DecodeWorker(Worker):
     # -- outputs ---------------------------------------------------------------------------------
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[str, list[TokenUpdate]] = {}
-        for out in outputs:
-            active = self._active.get(out.req_id)
-            if active is None:  # aborted while its last step ran
-                continue
-            batches.setdefault(active.gateway_id, []).append(
-                token_update(out, active.attempt, active.next_index, self.worker_id)
-            )
-            active.next_index += len(out.new_token_ids)
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        for out in self.tokens.push(outputs):
             self._tally.num_tokens += len(out.new_token_ids)
-            if out.is_finished:
-                del self._active[out.req_id]
-                self._tally.num_finished += 1
-        if batches:
-            self._num_unsent += 1
-            self._outbox.put_nowait([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
-
-    async def _send_loop(self) -> None:
-        """Sends each step's batches in order while the engine runs the next step."""
-        while not self.stopped.is_set():
-            items = await self._outbox.get()
-            num_steps = 1
-            while not self._outbox.empty():
-                items += self._outbox.get_nowait()
-                num_steps += 1
-            await self.send_many(items)
-            self._num_unsent -= num_steps
+            self._tally.num_finished += out.is_finished

@@ -1,7 +1,7 @@
 """Puts requests on the workers and takes them off again: every write of the gateway to Redis.
 
-It also migrates requests off dead decode workers: `watch` looks every WATCH_INTERVAL_S at the
-decode worker holding each in-flight request; one registered whose heartbeat lapsed is dead, so
+It also migrates requests off dead decode (and colocated) workers: `watch` looks every
+WATCH_INTERVAL_S at the worker holding each in-flight request; one registered whose heartbeat lapsed is dead, so
 its requests are re-queued with `attempt + 1`, continuing after the tokens already streamed.
 The attempt fences the dead (or revived) worker: its late updates are dropped. A request still
 on a prefill worker needs no help here: its stream entry stays pending until the handoff is
@@ -15,9 +15,9 @@ import logging
 
 from services.gateway.inflight import InflightRequest
 from services.gateway.openai_schema import ApiError
-from services.gateway.replies import ReplyRouter
-from shared.protocol import Cancel, WorkerStatus, decode
-from shared.streams import REDIS_ERRORS, Bus
+from services.gateway.replies import ReplyRouter, cancel_on_holders
+from shared.protocol import WorkerStatus, decode
+from shared.streams import REDIS_ERRORS, STAGE_ROLES, Bus
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +64,9 @@ class Dispatcher:
         keys = self._bus.keys
         try:
             await self._bus.redis.set(keys.cancelled(req.req_id), b"1", ex=CANCEL_MARK_TTL_S)
-            for worker_id in await self._holders(req):
-                await self._bus.send(keys.inbox(worker_id), Cancel(req.req_id, reason))
+            await cancel_on_holders(self._bus, req, reason)
         except REDIS_ERRORS as e:
             logger.warning("could not cancel %s (%s): Redis unavailable (%s)", req.req_id, reason, e)
-
-    async def _holders(self, req: InflightRequest) -> list[str]:
-        """The worker last heard from; before any token, every prefill worker (one may be computing it)."""
-        if req.worker_id is not None:
-            return [req.worker_id]
-        return [status.worker_id for status in await self._bus.live_workers("prefill")]
 
     # -- migration -------------------------------------------------------------------------------
 
@@ -117,13 +110,15 @@ class Dispatcher:
         return moved
 
     async def _dead_decode_workers(self) -> set[str]:
-        """Decode workers still registered (they did not exit cleanly) whose heartbeat lapsed."""
+        """Decode (and colocated) workers still registered (they did not exit cleanly) whose heartbeat lapsed."""
         holders = {r.worker_id for r in self._inflight.values() if r.worker_id is not None}
         if not holders:
             return set()
         keys = self._bus.keys
-        registered = await self._bus.redis.hgetall(keys.workers("decode"))
-        ids = [s.worker_id for raw in registered.values() if isinstance(s := decode(raw), WorkerStatus)]
+        registered: list[bytes] = []
+        for role in STAGE_ROLES["decode"]:
+            registered += (await self._bus.redis.hgetall(keys.workers(role))).values()
+        ids = [s.worker_id for raw in registered if isinstance(s := decode(raw), WorkerStatus)]
         ids = [i for i in ids if i in holders]
         if not ids:
             return set()

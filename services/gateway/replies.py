@@ -6,7 +6,9 @@ are trimmed as soon as they are routed, which keeps Redis' memory bounded.
 
 Redis may restart empty (no persistence): the gateway's epoch mark is then gone, and every
 request still in flight is re-queued from the gateway's own record as its next attempt, which
-continues after the tokens already streamed. Replies of the old attempt are dropped.
+continues after the tokens already streamed. Replies of the old attempt are dropped, and the
+worker that may still hold it gets a Cancel fenced to that attempt, so it stops computing tokens
+nobody reads without touching the new attempt should that land on the same worker.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import logging
 import secrets
 import time
 
-from services.gateway.inflight import InflightRequest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared.protocol import Message, TokenBatch
-from shared.streams import REDIS_ERRORS, Bus, with_backoff
+from services.gateway.inflight import InflightRequest
+from shared.protocol import Cancel, Message, TokenBatch
+from shared.streams import REDIS_ERRORS, STAGE_ROLES, Bus, with_backoff
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +132,10 @@ class ReplyRouter:
         logger.error("Redis lost its data (restarted empty?): re-queueing %d request(s)", len(lost))
         stream = self._bus.keys.requests
         for req in lost:
+            reason = f"re-queued as attempt {req.attempt + 1} after Redis lost its data"
+            await cancel_on_holders(self._bus, req, reason, attempt=req.attempt)
             req.attempt += 1
+            req.worker_id = None  # whoever takes the new attempt names itself
             self._registered_at[req.req_id] = time.monotonic()  # its new attempt went to this Redis
             await self._bus.send(stream, req.to_message(self.gateway_id))
             self.num_requeued += 1
@@ -157,6 +162,17 @@ class ReplyRouter:
                 req.replies.put_nowait(fresh)
             if req.is_finished:
                 self.unregister(req.req_id)
+
+
+async def cancel_on_holders(bus: Bus, req: InflightRequest, reason: str, attempt: int | None = None) -> None:
+    """Send a Cancel (fenced to `attempt`, None: any) to the workers that may hold `req`: the one
+    last heard from; before any token, every live prefill or colocated worker (one may be computing it)."""
+    if req.worker_id is not None:
+        holders = [req.worker_id]
+    else:
+        holders = [status.worker_id for role in STAGE_ROLES["prefill"] for status in await bus.live_workers(role)]
+    for worker_id in holders:
+        await bus.send(bus.keys.inbox(worker_id), Cancel(req.req_id, reason, attempt))
 
 
 def _next_id(entry_id: bytes) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from services.gateway import api
@@ -17,7 +15,7 @@ from services.gateway.openai_schema import (
     parse_request,
 )
 from services.gateway.prompts import encode_chat, encode_text
-from shared.streams import REDIS_ERRORS
+from shared.streams import REDIS_ERRORS, STAGE_ROLES
 
 OWNED_BY = "llmd"
 
@@ -75,12 +73,12 @@ async def _not_ready_reason(gw: Gateway) -> str | None:
     if not await gw.bus.ping():
         return f"Redis at {gw.bus.settings.url} is unreachable"
     try:
-        prefill, decode = await asyncio.gather(gw.bus.live_workers("prefill"), gw.bus.live_workers("decode"))
+        for stage, roles in STAGE_ROLES.items():
+            workers = [w for role in roles for w in await gw.bus.live_workers(role)]
+            if not any(not w.draining for w in workers):
+                return f"no live {stage} worker (namespace {gw.bus.settings.namespace!r})"
     except REDIS_ERRORS as e:
         return f"cannot list workers: {e}"
-    for role, workers in (("prefill", prefill), ("decode", decode)):
-        if not any(not w.draining for w in workers):
-            return f"no live {role} worker (namespace {gw.bus.settings.namespace!r})"
     return None
 
 

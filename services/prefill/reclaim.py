@@ -2,9 +2,10 @@
 
 A request's stream entry is acknowledged only after its handoff, so a worker killed mid-way
 leaves its entries pending. A live worker claims entries idle for longer than a heartbeat TTL
-whose consumer's heartbeat has lapsed (or that it owned itself in an earlier life under the same
-id). An entry delivered more than `max_deliveries` times is a poison pill: it goes to the
-dead-letter stream instead of taking down one more worker.
+whose consumer's heartbeat has lapsed, or that it owns itself without holding them (an earlier
+life under the same id, or an admission that crashed). An entry delivered more than
+`max_deliveries` times is a poison pill (its admission crashed every time, or it took down the
+workers that held it): it goes to the dead-letter stream instead of being tried forever.
 """
 
 from __future__ import annotations

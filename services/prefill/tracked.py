@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from shared.engine.engine import Handoff
 from shared.protocol import GenerateRequest
 
 MIB = 2**20
@@ -50,6 +51,9 @@ class Tracked:
     decode_id: str | None = None  # the decode worker that reserved blocks for it
     cancelled: bool = False
     handoff: asyncio.Task[None] | None = None
+    # taken on the engine thread right after the step that finished its prefill
+    export: Handoff | None = None
+    kv_block_ids: list[int] | None = None
 
     @property
     def req_id(self) -> str:

@@ -51,6 +51,7 @@ MAX_REMEMBERED_HANDOFFS = 4096
 
 class PrefillWorker(Worker):
     role = "prefill"
+    stop_after_prefill = True  # the engine keeps a request once its first token is out: it is handed off
 
     def __init__(self, settings: WorkerServiceSettings) -> None:
         super().__init__(settings)
@@ -130,7 +131,7 @@ class PrefillWorker(Worker):
         try:
             engine = self.engine.engine
             await self.engine.call(
-                engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, True,
+                engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, self.stop_after_prefill,
                 msg.output_token_ids, msg.seed,
             )
         except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
@@ -181,13 +182,19 @@ class PrefillWorker(Worker):
             await self.reclaimer.dead_letter(claimed, f"delivered {claimed.num_deliveries} times")
             await self._finish_early(
                 Tracked(msg, claimed.entry_id, entry_time(claimed.entry_id)), "abort",
-                f"the request failed on {claimed.num_deliveries - 1} workers; giving up",
+                f"the request failed {claimed.num_deliveries - 1} times; giving up",
             )
         else:
             logger.warning("taking over %s from %s (delivery %d)", msg.req_id, claimed.previous_consumer,
                            claimed.num_deliveries)
             msg.num_deliveries = claimed.num_deliveries
-            await self.admit(claimed.entry_id, msg)
+            try:
+                await self.admit(claimed.entry_id, msg)
+            except Exception:
+                # a poison request must not end the reclaim loop, and the worker with it: its entry
+                # stays pending, is claimed again with one more delivery, and dead-lettered in the end
+                logger.exception("admitting %s (delivery %d) failed; it stays pending", msg.req_id,
+                                 claimed.num_deliveries)
 
     # -- outputs ---------------------------------------------------------------------------------
 
@@ -199,15 +206,10 @@ class PrefillWorker(Worker):
             t = self._tracked.get(out.req_id)
             if t is None:
                 continue
-            t.prefilled_at = time.monotonic()
+            self._observe_prefill(t, out, now)
             batches.setdefault(t.msg.gateway_id, []).append(token_update(out, t.msg.attempt, t.first_index, self.worker_id))
             emitted.append((t, out))
-            self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            self.metrics.time_to_first_token.observe(max(0.0, now - t.arrived_at))
-            self._tally.num_prefilled += 1
-            self._tally.num_prompt_tokens += out.num_prompt_tokens
-            self._tally.num_cached_tokens += out.num_cached_tokens
         # the first token goes out before the handoff starts: TTFT does not wait for decode
         await self.send_many([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
         for t, out in emitted:
@@ -216,6 +218,24 @@ class PrefillWorker(Worker):
             else:
                 t.handoff = self.spawn(self._hand_off(t))
         self.capacity_changed.set()
+
+    def _observe_prefill(self, t: Tracked, out: RequestOutput, now: float) -> None:
+        """Record that `t` got its first token (`out`) at unix time `now`."""
+        t.prefilled_at = time.monotonic()
+        self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+        self.metrics.time_to_first_token.observe(max(0.0, now - t.arrived_at))
+        self._tally.num_prefilled += 1
+        self._tally.num_prompt_tokens += out.num_prompt_tokens
+        self._tally.num_cached_tokens += out.num_cached_tokens
+
+    def after_step_on_engine_thread(self, outputs: list[RequestOutput]) -> None:
+        """Export each handoff now: queued as an engine call it would wait for the next step,
+        which during a burst of long prompts is a long prefill, and delay the second token."""
+        engine = self.engine.engine
+        for out in outputs:
+            t = self._tracked.get(out.req_id)
+            if t is not None and out.is_prefilled:
+                t.export, t.kv_block_ids = engine.export_handoff(out.req_id), engine.kv_block_ids(out.req_id)
 
     async def _forget(self, t: Tracked, release: bool) -> None:
         if release:
@@ -235,7 +255,8 @@ class PrefillWorker(Worker):
             if decode_id is None or needed is None:
                 return
             if t.cancelled:  # while the accept was on its way: that worker holds blocks for nothing
-                await self.send(self.keys.inbox(decode_id), Cancel(t.req_id, "cancelled during the handoff"))
+                cancel = Cancel(t.req_id, "cancelled during the handoff", t.msg.attempt)
+                await self.send(self.keys.inbox(decode_id), cancel)
                 return
             await self._transfer(t, decode_id, needed)
         except Exception as e:
@@ -246,7 +267,8 @@ class PrefillWorker(Worker):
             await self._forget(t, release=True)
 
     async def _offer_message(self, t: Tracked) -> HandoffOffer:
-        h = await self.engine.call(self.engine.engine.export_handoff, t.req_id)
+        h = t.export
+        assert h is not None, "exported after the step that finished the prefill"
         return HandoffOffer(
             req_id=t.req_id, attempt=t.msg.attempt, gateway_id=t.msg.gateway_id, prefill_id=self.worker_id,
             prompt_token_ids=h.prompt_token_ids, output_token_ids=h.output_token_ids,
@@ -310,7 +332,9 @@ class PrefillWorker(Worker):
     async def _transfer(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
         location, num_bytes = "", 0
         if needed:
-            data = await self.engine.call(self.engine.engine.read_kv_blocks, t.req_id, needed)
+            assert t.kv_block_ids is not None
+            # off the engine thread (see Engine.read_blocks): the copy does not wait for the step in progress
+            data = await asyncio.to_thread(self.engine.engine.read_blocks, [t.kv_block_ids[i] for i in needed])
             num_bytes = data.numel() * data.element_size()
             location = await self.connector.put(t.req_id, t.msg.attempt, data)
         if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
@@ -374,14 +398,19 @@ class PrefillWorker(Worker):
             return
         # an answer that came too late: free the blocks that worker reserved for nothing
         logger.info("late answer from %s for %s; telling it to drop its reservation", accept.decode_id, accept.req_id)
-        await self.send(self.keys.inbox(accept.decode_id), Cancel(accept.req_id, reason="handoff went elsewhere"))
+        cancel = Cancel(accept.req_id, "handoff went elsewhere", accept.attempt)
+        await self.send(self.keys.inbox(accept.decode_id), cancel)
 
     async def _on_cancel(self, msg: Cancel) -> None:
         t = self._tracked.get(msg.req_id)
         if t is None:
             decode_id = self._handed_off.get(msg.req_id)
-            if decode_id is not None:
+            if decode_id is not None:  # the decode worker applies the attempt fence
                 await self.send(self.keys.inbox(decode_id), msg)
+            return
+        if not msg.covers(t.msg.attempt):  # meant for an attempt this worker no longer runs
+            logger.info("ignoring a cancel of %s attempt %s (%s): attempt %d runs here", msg.req_id, msg.attempt,
+                        msg.reason, t.msg.attempt)
             return
         await self._cancel(t, msg.reason)
 
@@ -389,7 +418,7 @@ class PrefillWorker(Worker):
         logger.info("cancelling %s: %s", t.req_id, reason)
         t.cancelled = True
         if t.decode_id is not None:
-            await self.send(self.keys.inbox(t.decode_id), Cancel(t.req_id, reason))
+            await self.send(self.keys.inbox(t.decode_id), Cancel(t.req_id, reason, t.msg.attempt))
         if t.prefilled_at is None:  # still in the engine: free its blocks now
             await self.engine.call(self.engine.engine.abort_request, t.req_id)
             await self._forget(t, release=False)

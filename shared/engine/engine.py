@@ -138,7 +138,8 @@ class Engine:
         self.kv_cache = KVCacheManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
         sched = settings.scheduler
         self.scheduler = Scheduler(
-            SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill),
+            SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill,
+                            sched.kv_reservation),
             self.kv_cache,
         )
         self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs)
@@ -278,8 +279,22 @@ class Engine:
 
     def read_kv_blocks(self, req_id: str, block_indices: list[int]) -> torch.Tensor:
         """KV of the request's blocks at the given table positions: [n, layers, 2, block_size, kv_heads, head_dim]."""
-        table = self.kv_cache.block_ids(self._prefilled(req_id).req_id)
-        return self.runner.read_blocks([table[i] for i in block_indices])
+        table = self.kv_block_ids(req_id)
+        return self.read_blocks([table[i] for i in block_indices])
+
+    def kv_block_ids(self, req_id: str) -> list[int]:
+        """The pool blocks of a prefilled request, in table order; fixed until `release` or an abort."""
+        return list(self.kv_cache.block_ids(self._prefilled(req_id).req_id))
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of pool blocks, as `read_kv_blocks` returns them.
+
+        Unlike every other method, this one may run on another thread while a step runs, for the
+        blocks of a prefilled request: no step writes them (a prefilled request is never
+        scheduled, and its shared full blocks are immutable) and none is freed before the
+        request's `release` or abort. So a handoff's copy need not wait for a long prefill step.
+        """
+        return self.runner.read_blocks(block_ids)
 
     def release(self, req_id: str) -> None:
         """Drop a prefilled request after handoff; its full blocks stay in the prefix cache."""

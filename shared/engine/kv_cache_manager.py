@@ -4,8 +4,9 @@
       block_table[req] = [  block 7     ,   block 2     ,  block 9  ]
       block hashes       h0 = H(-, t0..15), h1 = H(h0, t16..31), (partial: none)
 
-Blocks are taken as a request grows, never reserved for its maximum length. Only full blocks
-are hashed and shared, so a request only ever writes into blocks it owns alone.
+Blocks are taken as a request grows; only when the scheduler asks for a reservation (its
+max_length policy) are they taken up front. Only full blocks are hashed and shared, so a
+request only ever writes into blocks it owns alone.
 """
 
 from __future__ import annotations
@@ -71,19 +72,28 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def num_blocks_needed(self, req: Request, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
+    def num_blocks_needed(
+        self, req: Request, num_new_tokens: int, num_cached_blocks: int = 0, num_reserved_tokens: int = 0
+    ) -> int:
         held = len(self._req_blocks.get(req.req_id, ())) + num_cached_blocks
         num_computed = max(req.num_computed_tokens, num_cached_blocks * self.block_size)
-        total = -(-(num_computed + num_new_tokens) // self.block_size)
+        total = -(-max(num_computed + num_new_tokens, num_reserved_tokens) // self.block_size)
         return max(0, total - held)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[Block] | None = None) -> bool:
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        cached_blocks: list[Block] | None = None,
+        num_reserved_tokens: int = 0,
+    ) -> bool:
         """Grow the request's blocks to hold `num_new_tokens` more; False (and no change) if they don't fit.
 
         `cached_blocks` are prefix hits from `find_cached_prefix`, taken on the first allocation.
+        `num_reserved_tokens`: hold blocks for at least this many tokens, whatever is computed yet.
         """
         cached_blocks = cached_blocks or []
-        num_new_blocks = self.num_blocks_needed(req, num_new_tokens, len(cached_blocks))
+        num_new_blocks = self.num_blocks_needed(req, num_new_tokens, len(cached_blocks), num_reserved_tokens)
         num_revived = sum(1 for b in cached_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return False

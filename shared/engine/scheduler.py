@@ -4,16 +4,19 @@ Each step has a token budget and a cap on running requests. Running requests go 
 decode needs one token, an unfinished chunked prefill the next chunk), then waiting requests
 fill what is left, long prompts in chunks. When blocks run out, the most recently started
 request is preempted: its blocks are freed and it is recomputed later, reusing whatever of
-its prefix is still cached.
+its prefix is still cached. Under the max_length reservation policy (kept to measure what
+paging buys) a request is admitted only with blocks for its whole length, so it never grows.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import get_args
 
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import ReqId, Request, RequestStatus
+from shared.settings import KVReservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +24,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    kv_reservation: KVReservation = "paged"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.kv_reservation not in get_args(KVReservation):
+            raise ValueError(f"kv_reservation must be one of {get_args(KVReservation)}, got {self.kv_reservation!r}")
 
 
 @dataclass(slots=True)
@@ -114,7 +120,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv_cache.allocate_slots(req, num_new, cached):
+            if not self.kv_cache.allocate_slots(req, num_new, cached, self._tokens_to_reserve(req)):
                 break
             self.waiting.popleft()
             if not holds_blocks:
@@ -127,6 +133,19 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+
+    def _tokens_to_reserve(self, req: Request) -> int:
+        """Tokens whose blocks a request takes at admission: none ahead of need when paged; under
+        max_length its prompt + max_tokens (a prefill-only request ends after its prompt)."""
+        if self.config.kv_reservation == "paged":
+            return 0
+        if req.stop_after_prefill:
+            most = req.num_tokens
+        else:
+            most = min(req.num_prompt_tokens + req.params.max_tokens, req.max_model_len)
+        # a reservation beyond the whole pool could never be met and would block the queue for
+        # good; such a request grows (and is preempted) as under paging instead
+        return min(most, self.kv_cache.pool.num_blocks * self.kv_cache.block_size)
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)

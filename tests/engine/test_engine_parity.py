@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -127,13 +129,20 @@ def test_prefill_to_decode_handoff_is_token_identical(loaded_model: LoadedModel,
     while prefill.has_unfinished:
         handed += [out for out in prefill.step() if out.is_prefilled]
     assert len(handed) == 3
-    for out in handed:
-        handoff = prefill.export_handoff(out.req_id)
-        needed = decode.reserve_import(handoff)
-        assert needed == list(range(handoff.num_blocks))
-        decode.write_kv_blocks(out.req_id, needed, prefill.read_kv_blocks(out.req_id, needed))
-        decode.commit_import(out.req_id)
-        prefill.release(out.req_id)
+    # the handoff's copies run on another thread while a step prefills another prompt (Engine.read_blocks)
+    prefill.add_request("busy", reference.prompt(300, offset=9), greedy(), stop_after_prefill=True)
+    with ThreadPoolExecutor(max_workers=1) as copier:
+        copies = {out.req_id: copier.submit(prefill.read_blocks, prefill.kv_block_ids(out.req_id)) for out in handed}
+        while prefill.has_unfinished:
+            prefill.step()
+        for out in handed:
+            handoff = prefill.export_handoff(out.req_id)
+            needed = decode.reserve_import(handoff)
+            assert needed == list(range(handoff.num_blocks))
+            decode.write_kv_blocks(out.req_id, needed, copies[out.req_id].result())
+            decode.commit_import(out.req_id)
+            prefill.release(out.req_id)
+    prefill.release("busy")
     prefill.check_invariants()
     assert prefill.stats().kv.num_used_blocks == 0
     outputs = {str(i): [expected[i][0]] for i in range(3)}

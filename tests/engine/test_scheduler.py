@@ -1,16 +1,25 @@
 from __future__ import annotations
 
+import pytest
+
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, StepResult
+from shared.settings import KVReservation
 
 BLOCK_SIZE = 4
 
 
-def make_scheduler(num_blocks: int = 16, budget: int = 32, max_seqs: int = 8, caching: bool = True) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 16,
+    budget: int = 32,
+    max_seqs: int = 8,
+    caching: bool = True,
+    reservation: KVReservation = "paged",
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=caching)
-    return Scheduler(SchedulerConfig(budget, max_seqs, enable_chunked_prefill=True), kv)
+    return Scheduler(SchedulerConfig(budget, max_seqs, enable_chunked_prefill=True, kv_reservation=reservation), kv)
 
 
 def make_req(req_id: str, num_prompt: int, max_tokens: int = 4, first_token: int = 0) -> Request:
@@ -105,3 +114,49 @@ def test_abort_frees_blocks_at_once() -> None:
     run_step(sched)
     assert sched.abort(ReqId("a")) is not None
     assert sched.kv_cache.pool.num_used_blocks == 0 and sched.num_unfinished == 0
+
+
+@pytest.mark.parametrize(("reservation", "admitted", "used_blocks"), [
+    ("paged", ["a", "b", "c"], 6),
+    ("max_length", ["a", "b"], 8),
+])
+def test_max_length_admits_only_whole_reservations(reservation: KVReservation, admitted: list[str],
+                                                   used_blocks: int) -> None:
+    # 8 blocks of 4 tokens; each request has 8 prompt tokens (2 blocks) and may reach 16 (4 blocks)
+    sched = make_scheduler(num_blocks=8, reservation=reservation)
+    for name in "abc":
+        sched.add(make_req(name, 8, max_tokens=8, first_token=ord(name) * 10))
+    assert [r for r, _ in plan(run_step(sched))] == admitted
+    assert sched.kv_cache.pool.num_used_blocks == used_blocks
+
+
+@pytest.mark.parametrize("reservation", ["paged", "max_length"])
+def test_reservation_runs_to_the_end_without_leaking_blocks(reservation: KVReservation) -> None:
+    sched = make_scheduler(num_blocks=8, reservation=reservation)
+    for name in "abc":
+        sched.add(make_req(name, 8, max_tokens=8, first_token=ord(name) * 10))
+    steps: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    step = 0
+    while sched.num_unfinished:
+        for req_id, _ in plan(run_step(sched)):
+            steps[req_id].append(step)
+        sched.kv_cache.check_invariants()
+        step += 1
+    assert sched.kv_cache.pool.num_used_blocks == 0
+    if reservation == "paged":
+        # all three started at once and outgrew the pool: preemption still frees room
+        assert sched.num_preemptions > 0
+    else:
+        # reserved blocks never run out; c waits until a and b are done
+        assert sched.num_preemptions == 0
+        assert steps["c"][0] > max(steps["a"] + steps["b"])
+
+
+def test_max_length_reservation_beyond_the_pool_is_capped_at_it() -> None:
+    # 6 blocks hold 24 tokens; prompt + max_tokens is 25, but the last token's KV is never computed
+    sched = make_scheduler(num_blocks=6, reservation="max_length")
+    sched.add(make_req("a", 8, max_tokens=17))
+    for _ in range(17):  # uncapped, it would wait for ever
+        run_step(sched)
+    assert sched.num_unfinished == 0 and sched.num_preemptions == 0
+    assert sched.kv_cache.pool.num_used_blocks == 0

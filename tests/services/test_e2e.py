@@ -13,17 +13,21 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-import redis
 from openai import AsyncOpenAI, OpenAI
 
+from services.gateway.openai_schema import token_text
+from services.launcher import Stack
 from shared.engine.llm import LLM, CompletionOutput
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol import WorkerStatus
-from shared.settings import EngineSettings, KVCacheSettings, ModelSettings, RedisSettings
+from shared.settings import (
+    EngineSettings,
+    KVCacheSettings,
+    ModelSettings,
+    RedisSettings,
+)
 from shared.streams import Bus
-
-from services.gateway.openai_schema import token_text
-from services.launcher import Stack, StackConfig
+from tests.services.stacks import running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -43,17 +47,8 @@ WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    config = StackConfig(
-        port=0, num_prefill=2, num_decode=2, redis_url=REDIS_URL, namespace=f"test-e2e-{uuid.uuid4().hex[:8]}",
-        dtype="float32",
-        env={"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), "LLMD_LOG_LEVEL": "WARNING"},
-    )  # fmt: skip
-    with Stack(config) as stack:
+    with running_stack("e2e", {"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES)}, num_prefill=2, num_decode=2) as stack:
         yield stack
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"{stack.namespace}:*"):
-        client.delete(key)
-    client.close()
 
 
 @pytest.fixture(scope="module")

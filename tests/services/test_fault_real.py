@@ -17,17 +17,23 @@ import pytest
 import redis
 from openai import APIError, OpenAI
 
-from services.launcher import RedisServer, Stack, StackConfig, find_redis_server, free_port
+from services.launcher import (
+    RedisServer,
+    Stack,
+    StackConfig,
+    find_redis_server,
+    free_port,
+)
 from shared.protocol import Cancel
 from shared.settings import RedisSettings
 from shared.streams import PREFILL_GROUP, Bus
 from tests.services.stack_client import REDIS_URL
+from tests.services.stacks import FAST_HEARTBEAT
 from tests.services.test_faults import BOUND_S, assert_clean, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KV_BYTES = 256 * 2**20  # room for every long prompt at once on the one decode worker
-FAST_HEARTBEAT = {"LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1"}
 NUM_REQUESTS = 4
 NUM_TOKENS = 16
 IN_FLIGHT_TOKENS = 60  # long enough to still be running when Redis goes away

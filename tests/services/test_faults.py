@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 from openai import OpenAI
 
-from services.launcher import Stack, StackConfig
-from shared.protocol import WorkerStatus, decode
+from services.launcher import Stack
+from shared.protocol import WorkerStatus
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
 from tests.services.stack_client import REDIS_URL
+from tests.services.stacks import FAST_HEARTBEAT, live_workers, running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,20 +28,9 @@ NUM_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    config = StackConfig(
-        port=0, num_prefill=1, num_decode=2, redis_url=REDIS_URL, namespace=f"test-faults-{uuid.uuid4().hex[:8]}",
-        dtype="float32",
-        env={
-            "LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), "LLMD_LOG_LEVEL": "WARNING",
-            "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1",
-        },
-    )  # fmt: skip
-    with Stack(config) as stack:
+    env = {"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), **FAST_HEARTBEAT}
+    with running_stack("faults", env, num_prefill=1, num_decode=2) as stack:
         yield stack
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"{stack.namespace}:*"):
-        client.delete(key)
-    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +52,7 @@ def rds(stack: Stack) -> Iterator[redis.Redis]:
 
 
 def live_decode(rds: redis.Redis, keys: Keys) -> list[WorkerStatus]:
-    statuses = [decode(v) for v in rds.hgetall(keys.workers("decode")).values()]
-    return [s for s in statuses if isinstance(s, WorkerStatus) and rds.exists(keys.alive(s.worker_id))]
+    return live_workers(rds, keys, "decode")
 
 
 def until(condition: Callable[[], bool], what: str) -> None:

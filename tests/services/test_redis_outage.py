@@ -10,14 +10,20 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from shared.protocol import GenerateRequest
+from services.gateway.app import create_app
+from services.launcher import RedisServer
+from shared.protocol import Cancel, GenerateRequest
 from shared.settings import GatewayServiceSettings, RedisSettings
 from shared.streams import Bus
 from shared.text.tokenizer import Tokenizer
-
-from services.gateway.app import create_app
-from services.launcher import RedisServer
-from tests.services.test_gateway import BANG, WORLD, FakeWorker, eventually, post, sse_events
+from tests.services.test_gateway import (
+    BANG,
+    WORLD,
+    FakeWorker,
+    eventually,
+    post,
+    sse_events,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,6 +86,8 @@ async def test_in_flight_request_is_requeued_after_redis_restarts_empty(
     worker._last_id = b"0-0"  # the requests stream is new
     again = await next_request(worker)
     assert (again.req_id, again.attempt, again.output_token_ids) == (req.req_id, 1, [WORLD])
+    # the worker that held the lost attempt is told to drop it, fenced: a newer attempt there runs on
+    assert await worker.inbox() == [Cancel(req.req_id, "re-queued as attempt 1 after Redis lost its data", attempt=0)]
     await worker.reply(req, [BANG], index=1, finish_reason="stop")  # the lost attempt's late reply: dropped
     await worker.reply(again, [BANG], index=1, finish_reason="stop")
 

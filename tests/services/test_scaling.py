@@ -4,19 +4,17 @@ with SIGTERM drains, and every request completes; the launcher's stdin commands 
 from __future__ import annotations
 
 import re
-import signal
 import threading
 import urllib.request
-import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 from openai import OpenAI
 
-from services.launcher import Stack, StackConfig, apply_command
+from services.launcher import Stack, apply_command
 from shared.streams import PREFILL_GROUP
-from tests.services.stack_client import REDIS_URL
+from tests.services.stacks import FAST_HEARTBEAT, running_stack
 from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,18 +24,8 @@ NUM_REQUESTS = 24
 
 @pytest.fixture
 def stack() -> Iterator[Stack]:
-    config = StackConfig(
-        port=0, num_prefill=1, num_decode=1, redis_url=REDIS_URL,
-        namespace=f"test-scaling-{uuid.uuid4().hex[:8]}", dtype="float32",
-        env={"LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), "LLMD_LOG_LEVEL": "WARNING",
-             "LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1"},
-    )  # fmt: skip
-    with Stack(config) as stack:
+    with running_stack("scaling", {"LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), **FAST_HEARTBEAT}) as stack:
         yield stack
-    client = redis.Redis.from_url(config.redis_url or "")
-    for key in client.scan_iter(f"{stack.namespace}:*"):
-        client.delete(key)
-    client.close()
 
 
 def worker_tokens(stack: Stack) -> dict[str, float]:

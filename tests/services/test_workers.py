@@ -23,12 +23,26 @@ from services.prefill.worker import PrefillWorker
 from services.worker_base import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats
+from shared.engine.request import ReqId
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
-from shared.protocol import Cancel, HandoffAccept, HandoffOffer, KVReady, Message, WorkerStatus
+from shared.protocol import (
+    Cancel,
+    HandoffAccept,
+    HandoffOffer,
+    KVReady,
+    Message,
+    WorkerStatus,
+)
 from shared.settings import RedisSettings, WorkerServiceSettings, WorkerSettings
 from shared.streams import INBOX_GROUP, with_backoff
-from tests.services.stack_client import REDIS_URL, FakeGateway, block_bytes, eventually, offline_greedy
+from tests.services.stack_client import (
+    REDIS_URL,
+    FakeGateway,
+    block_bytes,
+    eventually,
+    offline_greedy,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -113,14 +127,26 @@ async def test_a_seeded_rerun_after_streamed_tokens_continues_with_the_same_toke
     assert rerun.finish_reason == "length"
 
 
-async def test_cancel_frees_the_decode_workers_blocks(gateway: FakeGateway) -> None:
-    await gateway.submit("doomed", prompt(40, 3), SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+async def test_a_cancel_of_an_older_attempt_is_ignored_and_one_of_the_held_attempt_frees_the_blocks(
+    gateway: FakeGateway,
+) -> None:
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    await gateway.submit("doomed", prompt(40, 3), params, attempt=1)  # a re-run: attempt 0 was lost
     reply = gateway.replies["doomed"]
     await gateway.until(lambda: len(reply.tokens) >= 3, "decode tokens of the doomed request")
-    decode_id = reply.worker_ids[-1]
-    assert decode_id.startswith("decode-")
+    prefill_id, decode_id = reply.worker_ids[0], reply.worker_ids[-1]
+    assert (prefill_id.split("-")[0], decode_id.split("-")[0]) == ("prefill", "decode")
 
-    await gateway.cancel(decode_id, "doomed")
+    # the cancel of attempt 0 reaches the decode worker directly and through the prefill worker
+    # (which forwards cancels of requests it handed over): both times attempt 1 runs on
+    for worker_id in (decode_id, prefill_id):
+        await gateway.bus.send(gateway.keys.inbox(worker_id), Cancel("doomed", "attempt 0 is lost", attempt=0))
+        await _until_inbox_read(gateway, worker_id)
+    await _until_inbox_read(gateway, decode_id)
+    num_tokens = len(reply.tokens)
+    await gateway.until(lambda: len(reply.tokens) >= num_tokens + 3, "more tokens after the stale cancels")
+
+    await gateway.bus.send(gateway.keys.inbox(decode_id), Cancel("doomed", "client disconnected", attempt=1))
 
     await gateway.until_all_blocks_free()
     await gateway.poll()
@@ -181,6 +207,18 @@ async def _read_one(gateway: FakeGateway, stream: str) -> object:
     raise AssertionError(f"nothing arrived on {stream}")
 
 
+async def _until_inbox_read(gateway: FakeGateway, worker_id: str) -> None:
+    """Until the worker has handled every message in its inbox (it acknowledges each once handled)."""
+    inbox = gateway.keys.inbox(worker_id)
+
+    async def all_handled() -> bool:
+        last_id = (await gateway.bus.redis.xinfo_stream(inbox))["last-generated-id"]
+        [group] = await gateway.bus.redis.xinfo_groups(inbox)
+        return bool(group["last-delivered-id"] == last_id and group["pending"] == 0)
+
+    await eventually(all_handled, f"{worker_id} to handle its inbox")
+
+
 async def _missing(gateway: FakeGateway, key: str) -> bool:
     return not await gateway.bus.redis.exists(key)
 
@@ -232,6 +270,31 @@ async def test_engine_thread_runs_every_call_on_one_thread_and_tells_stalls_from
     assert thread.stalled_s() == 1.0
     await thread.call(engine.drop_work)
     assert (thread.has_work, thread.stalled_s()) == (False, 0.0)
+    thread.shutdown()
+
+
+async def test_a_step_hook_runs_on_the_engine_thread_before_calls_queued_during_the_step() -> None:
+    thread = EngineThread()
+    engine = FakeEngine()
+    thread._engine = engine  # type: ignore[assignment]
+    in_step, finish_step = threading.Event(), threading.Event()
+    outputs = [RequestOutput(ReqId("r"), [1], None, None, None, num_prompt_tokens=2, num_cached_tokens=0)]
+
+    def long_step() -> list[RequestOutput]:
+        in_step.set()
+        finish_step.wait(30)
+        return outputs
+
+    engine.step = long_step  # type: ignore[method-assign]
+    order: list[tuple[str, str]] = []
+    step = asyncio.ensure_future(thread.step(lambda outs: order.append(("hook", threading.current_thread().name))))
+    await asyncio.to_thread(in_step.wait, 30)
+    queued = asyncio.ensure_future(thread.call(lambda: order.append(("call", threading.current_thread().name))))
+    finish_step.set()
+    assert await step == outputs
+    await queued
+    assert [what for what, _ in order] == ["hook", "call"]
+    assert all(name.startswith("engine") for _, name in order)
     thread.shutdown()
 
 

@@ -1,0 +1,144 @@
+"""The same serving workload against this stack and other OpenAI-compatible servers, side by side.
+
+    python -m bench.side_by_side [--llama-server PATH] [--url LABEL=http://host:port ...] \\
+        [--num-prompts 64 --input-len 256 --output-len 128 --request-rate inf --seed 0]
+
+Starts this project's stack (--prefill / --decode workers sharing the machine's cores) and, with
+--llama-server, llama.cpp's server on the same GGUF file with as many threads as this machine has
+cores and one slot per prompt; any server already running (vLLM's CPU build, say) joins with --url.
+Each gets the same seeded random-token prompts with `ignore_eos`, one server at a time, so they
+never share the cores. Prints one Markdown table of the `vllm bench serve` metrics, writes
+bench/results/side_by_side.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench.serving.compare import comparison_table, format_markdown
+from bench.serving.report import result_document
+from bench.serving.runner import LoadSpec
+from bench.serving.workload import (
+    BenchRequest,
+    WorkloadSpec,
+    build_workload,
+    warmup_requests,
+)
+from bench.stack_harness import run_load, stack_config, vocab_ids, write_result
+from services.launcher import Stack, free_port
+from shared.model.loader import resolve_model_path
+
+NAME = "side_by_side"
+READY_TIMEOUT_S = 300.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="a .gguf file (llama.cpp needs GGUF) or 'default'")
+    parser.add_argument("--prefill", type=int, default=1, help="this stack's prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="this stack's decode workers")
+    parser.add_argument("--llama-server", type=Path, help="path of llama.cpp's llama-server binary")
+    parser.add_argument("--url", action="append", default=[], metavar="LABEL=URL", help="a running server")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf = one burst")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    externals = [_label_url(item, parser) for item in args.url]
+    spec = WorkloadSpec("random", args.num_prompts, input_len=args.input_len, output_len=args.output_len)
+    vocab = vocab_ids(args.model)
+    requests = build_workload(spec, vocab, args.seed)
+    warmups = warmup_requests(requests, vocab, args.seed, 1)
+    load = LoadSpec(request_rate=args.request_rate, seed=args.seed)
+
+    documents: dict[str, dict[str, Any]] = {}
+    with Stack(stack_config({}, num_prefill=args.prefill, num_decode=args.decode)) as stack:
+        assert stack.base_url is not None
+        label = f"this stack ({args.prefill}P+{args.decode}D)"
+        documents[label] = _measure(label, stack.base_url, requests, warmups, load)
+    if args.llama_server is not None:
+        with _llama_server(args.llama_server, resolve_model_path(args.model), requests) as base_url:
+            documents["llama.cpp server"] = _measure("llama.cpp server", base_url, requests, warmups, load)
+    for label, base_url in externals:
+        documents[label] = _measure(label, base_url, requests, warmups, load)
+
+    print(format_markdown(comparison_table(list(documents), list(documents.values()))))
+    config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    path = write_result(NAME, {"config": config, "runs": documents})
+    print(f"results: {path}", file=sys.stderr)
+    return 0 if all(doc["metrics"]["num_failed"] == 0 for doc in documents.values()) else 1
+
+
+def _measure(
+    label: str, base_url: str, requests: list[BenchRequest], warmups: list[BenchRequest], load: LoadSpec
+) -> dict[str, Any]:
+    print(f"{label}: {len(requests)} requests to {base_url}", file=sys.stderr)
+    metrics, results = run_load(base_url, requests, load, warmups)
+    config = {"workload": "random", "num_prompts": len(requests), "request_rate": load.request_rate}
+    return result_document(config, metrics, results)
+
+
+@contextmanager
+def _llama_server(binary: Path, model: Path, requests: list[BenchRequest]) -> Iterator[str]:
+    """llama-server with one slot per request, each slot holding its prompt and output."""
+    if model.suffix != ".gguf":
+        raise SystemExit(f"llama.cpp needs a .gguf model, got {model}")
+    port = free_port()
+    slot_tokens = max(r.num_prompt_tokens + r.max_tokens for r in requests) + 16
+    command = [
+        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "--threads", str(len(os.sched_getaffinity(0))), "--parallel", str(len(requests)),
+        "--ctx-size", str(slot_tokens * len(requests)), "--log-disable",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base_url, process)
+        yield base_url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _wait_healthy(base_url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
+            raise SystemExit(f"llama-server exited with {process.returncode}: {stderr[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"llama-server at {base_url} not healthy after {READY_TIMEOUT_S:.0f}s")
+
+
+def _label_url(item: str, parser: argparse.ArgumentParser) -> tuple[str, str]:
+    label, sep, url = item.partition("=")
+    if not sep or not url.startswith(("http://", "https://")):
+        parser.error(f"--url takes LABEL=http://host:port, got {item!r}")
+    return label, url.rstrip("/")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

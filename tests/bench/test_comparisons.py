@@ -1,0 +1,61 @@
+"""The stack comparisons, each one small real run: stacks of real processes on the real model,
+requests through the gateway, counters from the workers' /metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import handoff, prefix_cache, stack_harness
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path)
+    return tmp_path
+
+
+def test_prefix_cache_hits_only_with_caching_on(results_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # one group, one request at a time: every request after the first finds the 32-token prefix cached
+    argv = ["--num-prompts", "3", "--num-groups", "1", "--prefix-len", "32", "--suffix-len", "16", "--output-len", "2",
+            "--request-rate", "inf", "--max-concurrency", "1"]  # fmt: skip
+    assert prefix_cache.main(argv) == 0
+    printed = capsys.readouterr().out
+    document = json.loads((results_dir / "prefix_cache.json").read_text())
+    assert (results_dir / "prefix_cache.png").read_bytes().startswith(PNG_MAGIC)
+
+    assert "| prefix caching |" in printed and "TTFT off/on: mean" in printed
+    off, on = document["summary"]
+    assert (off["prefix_caching"], on["prefix_caching"]) == ("off", "on")
+    assert off["completed"] == on["completed"] == 3 and off["failed"] == on["failed"] == 0
+    assert off["prefix_cache_hit_rate"] == 0
+    # two of three requests hit two of their three blocks (the warm-up has fresh tokens, so hits nothing)
+    assert on["prefix_cache_hit_rate"] == pytest.approx(2 * 32 / (3 * 48))
+    assert document["runs"]["on"]["prefill_counter_deltas"]["vllm:prefix_cache_queries_total"] == 3 * 48
+    assert document["ttft_ratio_off_on"]["mean"] > 0
+    assert [r["error"] for r in document["runs"]["off"]["requests"]] == [None] * 3
+
+
+def test_handoff_bytes_grow_with_prompt_length(results_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--lengths", "16,64", "--requests-per-length", "2", "--output-len", "2", "--warmups", "0"]
+    assert handoff.main(argv) == 0
+    printed = capsys.readouterr().out
+    document = json.loads((results_dir / "handoff.json").read_text())
+    assert (results_dir / "handoff.png").read_bytes().startswith(PNG_MAGIC)
+
+    assert "| prompt tokens |" in printed
+    short, long = document["summary"]
+    assert (short["prompt_tokens"], long["prompt_tokens"]) == (16, 64)
+    assert short["handoffs"] == long["handoffs"] == 2
+    # whole blocks of 16 tokens move, so the bytes per prompt token are the same at both lengths
+    assert long["kv_bytes_per_request"] == 4 * short["kv_bytes_per_request"] > 0
+    for row in (short, long):
+        assert row["failed"] == 0 and row["handoff_mean_s"] > 0 and row["handoff_mib_s"] > 0
+        assert 0 < row["handoff_share_of_second_token"] < row["handoff_share_of_itl0"]
+        assert row["ttft_worker_mean_s"] > 0

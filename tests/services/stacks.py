@@ -1,0 +1,42 @@
+"""Real stacks (worker and gateway processes) on the tests' Redis, as the service tests start them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+
+from services.launcher import Stack, StackConfig
+from shared.protocol import WorkerStatus, decode
+from shared.streams import Keys
+from tests.services.stack_client import REDIS_URL
+
+# fast heartbeats so that a dead worker is noticed within a second
+FAST_HEARTBEAT = {"LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1"}
+
+
+@contextmanager
+def running_stack(name: str, env: dict[str, str], **config: Any) -> Iterator[Stack]:
+    """A started stack in float32 with its own namespace on REDIS_URL, workers logging warnings;
+    `config` sets other StackConfig fields. Its keys are deleted afterwards."""
+    stack_config = StackConfig(
+        port=0, redis_url=REDIS_URL, namespace=f"test-{name}-{uuid.uuid4().hex[:8]}", dtype="float32",
+        env={"LLMD_LOG_LEVEL": "WARNING", **env}, **config,
+    )  # fmt: skip
+    try:
+        with Stack(stack_config) as stack:
+            yield stack
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(f"{stack_config.namespace}:*"):
+            client.delete(key)
+        client.close()
+
+
+def live_workers(rds: redis.Redis, keys: Keys, role: str) -> list[WorkerStatus]:
+    """The registered workers of `role` whose heartbeat is current."""
+    statuses = [decode(v) for v in rds.hgetall(keys.workers(role)).values()]
+    return [s for s in statuses if isinstance(s, WorkerStatus) and rds.exists(keys.alive(s.worker_id))]
