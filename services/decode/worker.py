@@ -18,7 +18,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from services.kv_connector import KVTransferError, RedisKVConnector
 from services.token_stream import Active, TokenStream
@@ -46,7 +45,8 @@ class Reservation:
     """Blocks held for an offered request until its KV arrives."""
 
     offer: HandoffOffer
-    needed_blocks: list[int]
+    needed_blocks: list[int]  # block-table positions the KV must be sent for
+    block_ids: list[int]  # the pool blocks at those positions
     expiry: asyncio.TimerHandle
 
 
@@ -74,12 +74,16 @@ def handoff_from_offer(offer: HandoffOffer) -> Handoff:
     )
 
 
-def import_kv(engine: Engine, req_id: str, block_positions: list[int], data: torch.Tensor | None) -> None:
-    """Write the received blocks and let the request run; on any failure its blocks are freed."""
+def reserve_kv(engine: Engine, handoff: Handoff) -> tuple[list[int], list[int]] | None:
+    """Reserve blocks for an offered request: (table positions to receive, their pool blocks), or
+    None without room. One engine call, so the KV can later be written without another."""
+    needed = engine.reserve_import(handoff)
+    return None if needed is None else (needed, engine.import_block_ids(handoff.req_id, needed))
+
+
+def commit_kv(engine: Engine, req_id: str) -> None:
+    """Let an imported request run; on failure its blocks are freed."""
     try:
-        if block_positions:
-            assert data is not None
-            engine.write_kv_blocks(req_id, block_positions, data)
         engine.commit_import(req_id)
     except Exception:
         engine.abort_request(req_id)
@@ -93,6 +97,7 @@ class DecodeWorker(Worker):
         super().__init__(settings)
         self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=settings.worker.handoff_timeout_s * 3)
         self._reserved: dict[str, Reservation] = {}
+        self._writing: dict[str, asyncio.Future[None]] = {}  # KV writes in flight, off the engine thread
         self.tokens = TokenStream(self)
         self._tally = Tally()
 
@@ -153,17 +158,18 @@ class DecodeWorker(Worker):
 
     async def _reserve(self, offer: HandoffOffer) -> list[int] | None:
         try:
-            needed = await self.engine.call(self.engine.engine.reserve_import, handoff_from_offer(offer))
+            reserved = await self.engine.call(reserve_kv, self.engine.engine, handoff_from_offer(offer))
         except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
             logger.warning("cannot take %s: %s", offer.req_id, e)
             return None
-        if needed is None:
+        if reserved is None:
             logger.debug("no room for %s (%d blocks)", offer.req_id, offer.num_blocks)
             return None
+        needed, block_ids = reserved
         expiry = asyncio.get_running_loop().call_later(
             self.settings.worker.handoff_timeout_s, self._expire, offer.req_id, offer.attempt
         )
-        self._reserved[offer.req_id] = Reservation(offer, needed, expiry)
+        self._reserved[offer.req_id] = Reservation(offer, needed, block_ids, expiry)
         return needed
 
     async def _answer(self, offer: HandoffOffer, needed: list[int] | None) -> None:
@@ -207,13 +213,26 @@ class DecodeWorker(Worker):
         del self._reserved[msg.req_id]
         held.expiry.cancel()
         offer = held.offer
-        # active before the engine call: a Cancel from here on finds the request and aborts it after the commit
-        self.tokens.active[msg.req_id] = Active(offer.gateway_id, offer.attempt, len(offer.output_token_ids))
+        # active before the write: a Cancel from here on finds the request, and its abort waits for the write
+        active = self.tokens.active[msg.req_id] = Active(offer.gateway_id, offer.attempt, len(offer.output_token_ids))
         try:
-            await self.engine.call(import_kv, self.engine.engine, msg.req_id, msg.block_positions, data)
+            if data is not None:
+                # off the engine thread (see Engine.write_blocks): decode steps go on while the bytes land
+                write = self._writing[msg.req_id] = asyncio.ensure_future(
+                    asyncio.to_thread(self.engine.engine.write_blocks, held.block_ids, data)
+                )
+                try:
+                    await write
+                finally:
+                    del self._writing[msg.req_id]
+            if self.tokens.active.get(msg.req_id) is not active:  # cancelled during the write: _abort frees it
+                await self._discard(msg.location)
+                return
+            await self.engine.call(commit_kv, self.engine.engine, msg.req_id)
         except Exception as e:
             logger.exception("importing the KV of %s failed", msg.req_id)
             self.tokens.active.pop(msg.req_id, None)
+            await self.engine.call(self.engine.engine.abort_request, msg.req_id)  # frees its blocks
             await self._fail(offer, f"KV import failed: {e}")
         else:
             self.wake_engine()
@@ -236,6 +255,8 @@ class DecodeWorker(Worker):
         if held is not None:
             held.expiry.cancel()
         self.tokens.active.pop(req_id, None)
+        if (write := self._writing.get(req_id)) is not None:
+            await asyncio.wait([write])  # freed blocks may go to another request: never while written to
         await self.engine.call(self.engine.engine.abort_request, req_id)
         self._tally.num_cancelled += 1
         logger.info("aborted %s (%s); its blocks are free", req_id, reason)

@@ -339,9 +339,22 @@ class Engine:
         return list(range(len(cached), len(self.kv_cache.blocks(req.req_id))))
 
     def write_kv_blocks(self, req_id: str, block_indices: list[int], data: torch.Tensor) -> None:
-        req = self._importing[ReqId(req_id)]
-        table = self.kv_cache.block_ids(req.req_id)
-        self.runner.write_blocks([table[i] for i in block_indices], data)
+        self.write_blocks(self.import_block_ids(req_id, block_indices), data)
+
+    def import_block_ids(self, req_id: str, block_indices: list[int]) -> list[int]:
+        """The pool blocks at those table positions of a request reserved by `reserve_import`."""
+        table = self.kv_cache.block_ids(self._importing[ReqId(req_id)].req_id)
+        return [table[i] for i in block_indices]
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Fill pool blocks with data shaped as `read_blocks` returns it.
+
+        Like `read_blocks`, this may run on another thread while a step runs, for the blocks
+        `import_block_ids` names: a request is not scheduled before `commit_import`, and the
+        blocks it receives are its own (cached ones are never sent). The caller must not abort
+        the request while the write runs, or the blocks could be handed to another request.
+        """
+        self.runner.write_blocks(block_ids, data)
 
     def commit_import(self, req_id: str) -> None:
         """The KV bytes are in place: the request joins the batch at the next step."""

@@ -129,8 +129,15 @@ def test_prefill_to_decode_handoff_is_token_identical(loaded_model: LoadedModel,
     while prefill.has_unfinished:
         handed += [out for out in prefill.step() if out.is_prefilled]
     assert len(handed) == 3
-    # the handoff's copies run on another thread while a step prefills another prompt (Engine.read_blocks)
     prefill.add_request("busy", reference.prompt(300, offset=9), greedy(), stop_after_prefill=True)
+    outputs = {str(i): [expected[i][0]] for i in range(3)}
+
+    def decode_step() -> None:
+        for out in decode.step():
+            outputs[out.req_id].extend(out.new_token_ids)
+
+    # both sides copy KV on another thread while a step runs (Engine.read_blocks / write_blocks):
+    # the prefill engine prefills another prompt meanwhile, the decode engine decodes what it holds
     with ThreadPoolExecutor(max_workers=1) as copier:
         copies = {out.req_id: copier.submit(prefill.read_blocks, prefill.kv_block_ids(out.req_id)) for out in handed}
         while prefill.has_unfinished:
@@ -139,16 +146,18 @@ def test_prefill_to_decode_handoff_is_token_identical(loaded_model: LoadedModel,
             handoff = prefill.export_handoff(out.req_id)
             needed = decode.reserve_import(handoff)
             assert needed == list(range(handoff.num_blocks))
-            decode.write_kv_blocks(out.req_id, needed, copies[out.req_id].result())
+            block_ids = decode.import_block_ids(out.req_id, needed)
+            write = copier.submit(decode.write_blocks, block_ids, copies[out.req_id].result())
+            if decode.has_unfinished:
+                decode_step()
+            write.result()
             decode.commit_import(out.req_id)
             prefill.release(out.req_id)
     prefill.release("busy")
     prefill.check_invariants()
     assert prefill.stats().kv.num_used_blocks == 0
-    outputs = {str(i): [expected[i][0]] for i in range(3)}
     while decode.has_unfinished:
-        for out in decode.step():
-            outputs[out.req_id].extend(out.new_token_ids)
+        decode_step()
     assert list(outputs.values()) == expected
     decode.check_invariants()
 
