@@ -1,6 +1,6 @@
 """Decode step time against batch size, and where the time goes.
 
-    python -m bench.decode_step [--dtype bfloat16] [--batch-sizes 1,16,64] [--context 256]
+    python -m bench.decode_step [--dtype auto] [--batch-sizes 1,16,64] [--context 256]
 
 For each batch size: prefill that many random prompts of `--context` tokens, then time decode
 steps (best of 5) and print tokens/s; for the largest batch, print the torch profiler's top
@@ -47,7 +47,8 @@ def best_step_seconds(engine: Engine, repeats: int = 5) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 on CPUs with native bf16, else float32 (as the workers choose)")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--context", type=int, default=256)
     args = parser.parse_args()
