@@ -29,7 +29,6 @@ from shared.settings import (
     WorkerSettings,
 )
 from shared.streams import PREFILL_GROUP, Keys
-from tests.services.stack_client import REDIS_URL
 from tests.services.stacks import FAST_HEARTBEAT, live_workers, running_stack
 from tests.services.test_e2e import token_texts
 from tests.services.test_faults import BOUND_S, until
@@ -107,18 +106,6 @@ def llm() -> LLM:
 def client(stack: Stack) -> Iterator[OpenAI]:
     with OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=BOUND_S) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def model(client: OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def rds(stack: Stack) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
 
 
 def live_colocated(rds: redis.Redis, keys: Keys) -> list[WorkerStatus]:

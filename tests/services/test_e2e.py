@@ -65,11 +65,6 @@ def client(stack: Stack) -> Iterator[OpenAI]:
         yield client
 
 
-@pytest.fixture(scope="module")
-def model(client: OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def offline(llm: LLM, prompt: str | list[int], **params: object) -> CompletionOutput:
     return llm.generate([prompt], SamplingParams(**params))[0]  # type: ignore[arg-type]
 

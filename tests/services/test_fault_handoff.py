@@ -21,7 +21,6 @@ import redis
 from openai import OpenAI
 
 from services.launcher import Stack
-from tests.services.stack_client import REDIS_URL
 from tests.services.stacks import FAST_HEARTBEAT, running_stack
 from tests.services.test_fault_real import greedy, openai_client
 from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
@@ -51,21 +50,9 @@ def client(stack: Stack) -> Iterator[OpenAI]:
 
 
 @pytest.fixture(scope="module")
-def model(client: OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def expected(client: OpenAI, model: str) -> str:
     """The fault-free run's text."""
     return greedy(client, model, PROMPT)
-
-
-@pytest.fixture(scope="module")
-def rds(stack: Stack) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
 
 
 def until_killed(stack: Stack, name: str) -> None:

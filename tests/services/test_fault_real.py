@@ -124,14 +124,6 @@ def test_a_prefill_worker_killed_holding_pending_requests_loses_and_doubles_noth
             rds.close()
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-
-
 def test_workers_and_gateway_recover_when_redis_restarts_empty(redis_server: RedisServer) -> None:
     with Stack(config(redis_server.url, num_prefill=1, num_decode=1)) as stack, openai_client(stack) as client:
         model = client.models.list().data[0].id

@@ -15,7 +15,6 @@ from openai import OpenAI
 from services.launcher import Stack
 from shared.protocol import WorkerStatus
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
-from tests.services.stack_client import REDIS_URL
 from tests.services.stacks import FAST_HEARTBEAT, live_workers, running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -37,18 +36,6 @@ def stack() -> Iterator[Stack]:
 def client(stack: Stack) -> Iterator[OpenAI]:
     with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def model(client: OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def rds(stack: Stack) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(REDIS_URL)
-    yield client
-    client.close()
 
 
 def live_decode(rds: redis.Redis, keys: Keys) -> list[WorkerStatus]:
