@@ -31,6 +31,14 @@ RUN groupadd --system --gid 10001 llmd \
     && useradd --system --uid 10001 --gid llmd --no-create-home --home-dir /nonexistent llmd \
     && python -m venv "$VIRTUAL_ENV"
 
+# gcc and libc6-dev stay in the image on purpose: on first use a worker compiles the CPU
+# decode attention kernel (kernels/csrc) for the machine it runs on, into $XDG_CACHE_HOME.
+# Without them it runs the slower PyTorch reference.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # The CPU build of torch: the default wheel from PyPI is a CUDA build that pulls in
 # several GB of CUDA libraries this image never uses.
 RUN --mount=type=cache,target=/root/.cache/pip \

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import _triton
+from kernels import _triton, cpu_attention
 from kernels._triton import jit, tl
 
 # Split-K decode: one program per (request, kv head, partition of the context) so that a
@@ -255,14 +255,16 @@ def _decode_ref(
 def _extend_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    out: torch.Tensor | None = None, min_query_len: int = 1,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
+    """Each request with at least `min_query_len` queries, one at a time, into `out` (new if None)."""
+    out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     gqa = q.shape[1] != k_cache.shape[2]
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len < max(min_query_len, 1):
             continue
         k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # [1, num_kv_heads, seq_len, head_dim]
         v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len)
@@ -393,12 +395,38 @@ def paged_attention(
     the longest of those row ranges; 1 selects the decode path. Returns [num_tokens,
     num_heads, head_dim] in q's dtype. Cache slots past a request's length must hold finite
     values (the engine zero-initialises its pool): the CPU reference reads and masks them
-    rather than spending a pass on zeroing them. On CPU, equal-length decode batches and fresh prompts
-    match Hugging Face's SDPA attention bit for bit; mixed-length decode batches agree to
-    float rounding (padding changes SDPA's vector tails).
+    rather than spending a pass on zeroing them.
+
+    On CUDA this runs the Triton kernels; on the CPU, float32 decode requests run the C kernel
+    of `kernels.cpu_attention` and everything else `paged_attention_ref`. The reference
+    matches Hugging Face's SDPA attention bit for bit on equal-length decode batches and fresh
+    prompts, and to float rounding elsewhere (padding changes SDPA's vector tails); the C
+    kernel agrees with it to float rounding (about 1e-6).
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     if q.is_cuda:
         return paged_attention_triton(*args)
     _check_args(*args[:-1])
+    if q.shape[0] and cpu_attention.supports(q):
+        return paged_attention_cpu(*args)
     return paged_attention_ref(*args)
+
+
+def paged_attention_cpu(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+) -> torch.Tensor:
+    """float32 on the CPU: one-query (decode) requests run the C kernel, which reads the cache
+    in place; longer ones (prefill chunks) run the reference, where SDPA's matrix products pay
+    for the gather."""
+    if max_query_len == 1:
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    query_lens = query_start_loc.diff()
+    decoding = (query_lens == 1).nonzero().squeeze(1)
+    if decoding.numel():
+        rows = query_start_loc[decoding].long()
+        out[rows] = cpu_attention.paged_decode_attention(
+            q[rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale
+        )
+    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, min_query_len=2)

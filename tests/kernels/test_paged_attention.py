@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
+from kernels import cpu_attention
+from kernels.paged_attention import (
+    paged_attention,
+    paged_attention_cpu,
+    paged_attention_ref,
+    paged_attention_triton,
+)
 from tests.kernels.paged_batch import PagedBatch, dense_causal_attention, make_paged_batch
 
 # (seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size)
@@ -79,9 +89,70 @@ def test_split_decode_equals_single_partition_decode(triton_device: str) -> None
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
 
 
-def test_cpu_dispatch_runs_the_reference() -> None:
+@pytest.fixture
+def cpu_kernel() -> None:
+    """The C kernel must build wherever a compiler exists; without one the reference runs."""
+    if cpu_attention.load() is None:
+        if shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"):
+            pytest.fail("a C compiler is present but the CPU attention kernel did not build; see the logged warning")
+        pytest.skip("no C compiler: the CPU attention kernel cannot be built here")
+
+
+# head_dim 80 takes the kernel's generic path; 64 and 128 its specialised ones
+CPU_EXTRA_CASES: list[Case] = [([5, 90, 33], [1] * 3, 10, 2, 80, 16), ([300, 1, 47], [1, 1, 1], 9, 3, 64, 16)]
+
+
+@pytest.mark.parametrize(
+    "case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES, ids=_case_id
+)
+def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
+    batch = _batch(case, torch.float32)
+    out = paged_attention_cpu(*batch.args)
+    assert out.dtype == torch.float32 and out.shape == batch.q.shape
+    torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
+
+
+def test_cpu_kernel_reads_strided_queries(cpu_kernel: None) -> None:
     batch = _batch(DECODE_CASES[1], torch.float32)
-    assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
+    # q as the model makes it: one head's slice of a wider projection, so rows are not packed
+    wide = torch.cat([batch.q, torch.randn_like(batch.q)], dim=2)
+    out = cpu_attention.paged_decode_attention(
+        wide[:, :, : batch.q.shape[2]], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+    )
+    torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
+
+
+def test_cpu_dispatch_runs_the_kernel_for_float32_and_the_reference_otherwise(cpu_kernel: None) -> None:
+    fp32 = _batch(EXTEND_CASES[2], torch.float32)
+    assert torch.equal(paged_attention(*fp32.args), paged_attention_cpu(*fp32.args))
+    bf16 = _batch(EXTEND_CASES[2], torch.bfloat16)
+    assert torch.equal(paged_attention(*bf16.args), paged_attention_ref(*bf16.args))
+
+
+def test_without_a_compiler_the_reference_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_attention.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+            assert cpu_attention.load() is None
+        assert "PyTorch reference" in caplog.text and "no-such-cc" in caplog.text
+        batch = _batch(DECODE_CASES[1], torch.float32)
+        assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
+    finally:
+        cpu_attention.load.cache_clear()
+
+
+def test_cpu_kernel_rejects_an_empty_context(cpu_kernel: None) -> None:
+    batch = _batch(DECODE_CASES[1], torch.float32)
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[2] = 0
+    with pytest.raises(ValueError, match="at least one token"):
+        cpu_attention.paged_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, seq_lens, batch.scale
+        )
 
 
 def test_empty_batch_returns_empty_output() -> None:
@@ -120,7 +191,7 @@ def _hf_sdpa(batch: PagedBatch, rows: list[int]) -> torch.Tensor:
 )
 def test_ref_is_bitwise_hf_sdpa_where_hf_runs_unpadded(case: Case, dtype: torch.dtype) -> None:
     batch = _batch(case, dtype)
-    assert torch.equal(paged_attention(*batch.args), _hf_sdpa(batch, list(range(len(case[0])))))
+    assert torch.equal(paged_attention_ref(*batch.args), _hf_sdpa(batch, list(range(len(case[0])))))
 
 
 def test_mixed_length_decode_is_close_to_hf_sdpa_per_request() -> None:

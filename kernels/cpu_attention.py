@@ -1,0 +1,141 @@
+"""Paged decode attention for float32 on the CPU: csrc/paged_decode_attention.c through ctypes.
+
+The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`),
+for this CPU (-march=native), into `${XDG_CACHE_HOME:-~/.cache}/llmd/kernels/`; the file
+name carries a hash of the source, the flags and the CPU, so an edit or another machine
+builds afresh. It links the OpenMP runtime that torch has already loaded, so it runs on
+torch's threads (`torch.set_num_threads` applies). Where no compiler is found or the
+build fails, `load()` logs why once and returns None, and the callers run the PyTorch
+reference. ctypes drops the GIL for the call, so other Python threads run while it works.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+# -ffast-math lets gcc vectorise the reductions and call glibc's vector expf; the kernel has
+# no infinities or NaNs to lose (it takes its maximum over real scores only)
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+
+_INT64, _INT32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+_ARGTYPES = [
+    _PTR, _INT64, _INT64,  # out, strides (request, head)
+    _PTR, _INT64, _INT64,  # q, strides (request, head)
+    _PTR, _INT64, _INT64, _INT64,  # k_cache, strides (block, token, head)
+    _PTR, _INT64, _INT64, _INT64,  # v_cache, strides (block, token, head)
+    _PTR, _INT64, _PTR,  # block_tables, its row stride, seq_lens
+    _INT32, _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, heads, kv heads, head_dim, block_size, max len
+    ctypes.c_float,  # scale
+]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llmd" / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+        digest.update(part)
+    target = cache_dir() / f"{SOURCE.stem}-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: several workers may start at once
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None (logged once) where it cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler (cc, gcc or $CC) found: CPU decode attention runs the slower PyTorch reference")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("building %s failed, CPU decode attention runs the slower PyTorch reference: %s", SOURCE, exc)
+        return None
+    lib.paged_decode_attention_f32.argtypes = _ARGTYPES
+    lib.paged_decode_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` can take this query: float32 on the CPU, with the kernel built."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and load() is not None
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per request: q [num_reqs, num_heads, head_dim] -> the same shape.
+
+    The arguments are those of `kernels.paged_attention.paged_attention` for a decode batch,
+    already checked there; every seq_len must be at least 1.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU decode attention kernel is not built (see the warning logged for {SOURCE})")
+    num_reqs, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if num_reqs == 0:
+        return out
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    seq_lens = seq_lens.contiguous()
+    max_seq_len = int(seq_lens.max())
+    if int(seq_lens.min()) < 1:
+        raise ValueError(f"every decode request needs at least one token in the cache, got seq_lens {seq_lens.tolist()}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {cache.stride()}")
+    with torch.profiler.record_function("llmd::paged_decode_attention"):
+        failed = lib.paged_decode_attention_f32(
+            out.data_ptr(), out.stride(0), out.stride(1),
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), *k_cache.stride()[:3],
+            v_cache.data_ptr(), *v_cache.stride()[:3],
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], max_seq_len, scale,
+        )
+    if failed:
+        raise MemoryError(f"the CPU decode attention kernel could not allocate scratch for {max_seq_len} keys")
+    return out
