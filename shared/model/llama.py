@@ -7,6 +7,7 @@ LM head. The op order follows transformers' LlamaForCausalLM so greedy output ma
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,10 @@ from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary
 from shared.model.config import ModelConfig
+from shared.model.linear import Linear, onednn_packing_available
 from shared.model.rotary import cos_sin_cache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -35,16 +39,11 @@ class AttentionMetadata:
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    q_proj: torch.Tensor
-    k_proj: torch.Tensor
-    v_proj: torch.Tensor
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv_proj: Linear  # [q heads, then k heads, then v heads] x hidden, one product for all three
+    o_proj: Linear
     post_attention_norm: torch.Tensor
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]: gate rows first, then up
-    down_proj: torch.Tensor
+    gate_up_proj: Linear  # [2 * intermediate, hidden]: gate rows first, then up
+    down_proj: Linear
 
 
 class LlamaModel:
@@ -54,46 +53,48 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        pack = onednn_packing_available(dtype, device)
 
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        def maybe(name: str) -> torch.Tensor | None:
-            return take(name) if name in weights else None
+        def linear(*names: str) -> Linear:
+            """One product for the named projections, their output rows stacked in that order."""
+            bias_names = [n.removesuffix("weight") + "bias" for n in names]
+            if any(b in weights for b in bias_names) and not all(b in weights for b in bias_names):
+                raise ValueError(f"{', '.join(names)}: some have a bias and some do not; they cannot be fused")
+            bias = torch.cat([take(b) for b in bias_names]) if bias_names[0] in weights else None
+            return Linear(torch.cat([take(n) for n in names]).contiguous(), bias, pack)
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = linear("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    q_proj=take(p + "self_attn.q_proj.weight"),
-                    k_proj=take(p + "self_attn.k_proj.weight"),
-                    v_proj=take(p + "self_attn.v_proj.weight"),
-                    q_bias=maybe(p + "self_attn.q_proj.bias"),
-                    k_bias=maybe(p + "self_attn.k_proj.bias"),
-                    v_bias=maybe(p + "self_attn.v_proj.bias"),
-                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    qkv_proj=linear(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+                    o_proj=linear(p + "self_attn.o_proj.weight"),
                     post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up_proj=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
-                    ).contiguous(),
-                    down_proj=take(p + "mlp.down_proj.weight"),
+                    gate_up_proj=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down_proj=linear(p + "mlp.down_proj.weight"),
                 )
             )
         self.cos_sin_cache = cos_sin_cache(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         ).to(device)
         self.scale = config.head_dim**-0.5
+        logger.info("linear layers: %s", "oneDNN, packed at load" if pack else "F.linear")
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed_tokens, self.norm] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+        """Bytes the weights take here, the packed copy of a tied LM head included."""
+        total = sum(t.numel() * t.element_size() for t in (self.embed_tokens, self.norm)) + self.lm_head.num_bytes()
         for layer in self.layers:
-            tensors += [t for t in vars_of(layer) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            total += sum(t.numel() * t.element_size() for t in (layer.input_norm, layer.post_attention_norm))
+            total += sum(lin.num_bytes() for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        return total
 
     @torch.inference_mode()
     def forward(
@@ -109,7 +110,7 @@ class LlamaModel:
             normed, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual)
             hidden = self._attention(layer, normed, positions, meta, kv_cache[i, 0], kv_cache[i, 1])
             normed, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
-            hidden = F.linear(silu_and_mul(F.linear(normed, layer.gate_up_proj)), layer.down_proj)
+            hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(normed)))
         hidden, _ = rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 
@@ -124,21 +125,20 @@ class LlamaModel:
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
-        q = F.linear(x, layer.q_proj, layer.q_bias).view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, layer.k_proj, layer.k_bias).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, layer.v_proj, layer.v_bias).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = layer.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rotary(q, k, positions, self.cos_sin_cache)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, self.scale
         )  # [num_tokens, num_heads, head_dim]
-        return F.linear(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim), layer.o_proj)
+        return layer.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 [num_rows, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
-
-def vars_of(layer: LayerWeights) -> list[torch.Tensor | None]:
-    return [getattr(layer, name) for name in LayerWeights.__slots__]
