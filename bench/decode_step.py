@@ -3,8 +3,10 @@
     python -m bench.decode_step [--dtype auto] [--batch-sizes 1,16,64] [--context 256]
 
 For each batch size: prefill that many random prompts of `--context` tokens, then time decode
-steps (best of 5) and print tokens/s; for the largest batch, print the torch profiler's top
-operators by self CPU time.
+steps (best of 5) and print tokens/s, and the share of a step in each of its phases (the
+profiler ranges Engine.step names: scheduling, input preparation, the layers, the LM head,
+sampling, the scheduler's update), and so the share outside the model's own operators. For the
+largest batch, print the torch profiler's top operators by self CPU time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel, load_model
+from shared.model.runner import PHASE_FORWARD, PHASE_LOGITS, STEP_PHASES
 from shared.settings import EngineSettings, KVCacheSettings, ModelSettings, SchedulerSettings
 
 
@@ -45,6 +48,15 @@ def best_step_seconds(engine: Engine, repeats: int = 5) -> float:
     return min(times)
 
 
+def phase_ms(engine: Engine, steps: int = 3) -> dict[str, float]:
+    """Milliseconds per step in each named phase of Engine.step, from the torch profiler."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    totals = {event.key: event.cpu_time_total for event in prof.key_averages() if event.key in STEP_PHASES}
+    return {phase: totals.get(phase, 0.0) / 1e3 / steps for phase in STEP_PHASES}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -54,11 +66,18 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_model(None)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    print("| batch | step ms | tokens/s |\n|---|---|---|")
+    short = {phase: phase.removeprefix("llmd::") for phase in STEP_PHASES}
+    print(f"| batch | step ms | tokens/s | {' | '.join(short.values())} | outside the model |")
+    print("|---" * (len(STEP_PHASES) + 4) + "|")
     for bs in batch_sizes:
         engine = decode_engine(loaded, args.dtype, bs, args.context)
         seconds = best_step_seconds(engine)
-        print(f"| {bs} | {seconds * 1e3:.1f} | {bs / seconds:.0f} |")
+        phases = phase_ms(engine)
+        step_ms = sum(phases.values())
+        # what the model's own operators (the layers and the LM head) do not account for
+        outside = 1 - (phases[PHASE_FORWARD] + phases[PHASE_LOGITS]) / step_ms
+        shares = " | ".join(f"{100 * ms / step_ms:.1f}%" for ms in phases.values())
+        print(f"| {bs} | {seconds * 1e3:.1f} | {bs / seconds:.0f} | {shares} | {100 * outside:.1f}% |")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
@@ -19,7 +20,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
-from shared.model.runner import ModelRunner, kv_block_bytes
+from shared.model.runner import PHASE_SCHEDULE, PHASE_UPDATE, ModelRunner, kv_block_bytes
 from shared.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -225,11 +226,13 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        with record_function(PHASE_SCHEDULE):
+            plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         result = self.runner.execute(plan)
-        sampled = self.scheduler.update(plan, result)
+        with record_function(PHASE_UPDATE):
+            sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
         return [self._output(req) for req in sampled]
 

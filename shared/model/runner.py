@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
@@ -14,6 +15,15 @@ from shared.model.cuda_graphs import DecodeGraphs
 from shared.model.llama import AttentionMetadata, LlamaModel
 
 logger = logging.getLogger(__name__)
+
+# profiler ranges of one engine step, in order; Engine.step adds the first and the last
+PHASE_SCHEDULE = "llmd::schedule"
+PHASE_PREPARE = "llmd::prepare_inputs"
+PHASE_FORWARD = "llmd::forward"
+PHASE_LOGITS = "llmd::lm_head"
+PHASE_SAMPLE = "llmd::sample"
+PHASE_UPDATE = "llmd::update"
+STEP_PHASES = (PHASE_SCHEDULE, PHASE_PREPARE, PHASE_FORWARD, PHASE_LOGITS, PHASE_SAMPLE, PHASE_UPDATE)
 
 
 @dataclass(slots=True)
@@ -60,19 +70,28 @@ class ModelRunner:
         return self.model.device
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        inputs = self.prepare_inputs(batch)
+        # the named ranges show in torch.profiler traces (bench.decode_step reports them)
+        with record_function(PHASE_PREPARE):
+            inputs = self.prepare_inputs(batch)
         meta = inputs.meta
-        if self.graphs is not None and self.graphs.can_run(len(batch.reqs), meta.max_query_len, meta.block_tables.shape[1]):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-        else:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
+        with record_function(PHASE_FORWARD):
+            if self.graphs is not None and self.graphs.can_run(
+                len(batch.reqs), meta.max_query_len, meta.block_tables.shape[1]
+            ):
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+            else:
+                hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
         sampling_reqs = [req for i, req in enumerate(batch.reqs) if batch.samples(i)]
         if not sampling_reqs:
             return StepResult(token_ids=[])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
-        rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
-        sampling = build_sampling_batch(rows, sampling_reqs[0].eos_token_ids, self.model.config.vocab_size, self.device)
-        out = self.sampler(logits, sampling)
+        with record_function(PHASE_LOGITS):
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
+        with record_function(PHASE_SAMPLE):
+            rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
+            sampling = build_sampling_batch(
+                rows, sampling_reqs[0].eos_token_ids, self.model.config.vocab_size, self.device
+            )
+            out = self.sampler(logits, sampling)
         return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInput:
