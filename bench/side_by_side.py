@@ -1,11 +1,14 @@
 """The same serving workload against this stack and other OpenAI-compatible servers, side by side.
 
     python -m bench.side_by_side [--llama-server PATH] [--url LABEL=http://host:port ...] \\
-        [--num-prompts 64 --input-len 256 --output-len 128 --request-rate inf --seed 0]
+        [--num-prompts 64 --input-len 256 --output-len 128 --request-rate inf --seed 0] \\
+        [--workload random|chat-mix] [--transformers]
 
 Starts this project's stack (--prefill / --decode workers sharing the machine's cores) and, with
 --llama-server, llama.cpp's server on the same GGUF file with as many threads as this machine has
 cores and one slot per prompt; any server already running (vLLM's CPU build, say) joins with --url.
+--transformers adds transformers `generate` on the same prompts in static batches, in-process
+after the servers stop (the baseline of issue 5's throughput target).
 Each gets the same seeded random-token prompts with `ignore_eos`, one server at a time, so they
 never share the cores. Prints one Markdown table of the `vllm bench serve` metrics, writes
 bench/results/side_by_side.json.
@@ -26,6 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from bench.engine import WorkItem, run_hf_static
 from bench.serving.compare import comparison_table, format_markdown
 from bench.serving.report import result_document
 from bench.serving.runner import LoadSpec
@@ -37,6 +43,7 @@ from bench.serving.workload import (
 )
 from bench.stack_harness import run_load, stack_config, vocab_ids, write_result
 from services.launcher import Stack, free_port
+from shared.engine.engine import resolve_dtype
 from shared.model.loader import resolve_model_path
 
 NAME = "side_by_side"
@@ -53,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--workload", default="random", choices=("random", "chat-mix"),
+                        help="chat-mix: lognormal lengths with medians --input-len and --output-len")
+    parser.add_argument("--length-sigma", type=float, default=1.0, help="chat-mix: lognormal sigma")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also run transformers generate on the same prompts in static batches (no server)")
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="--transformers: static batch size")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf = one burst")
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -62,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     externals = [_label_url(item, parser) for item in args.url]
-    spec = WorkloadSpec("random", args.num_prompts, input_len=args.input_len, output_len=args.output_len)
+    spec = WorkloadSpec(args.workload, args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                        length_sigma=args.length_sigma)
     vocab = vocab_ids(args.model)
     requests = build_workload(spec, vocab, args.seed)
     warmups = warmup_requests(requests, vocab, args.seed, 1)
@@ -72,27 +86,50 @@ def main(argv: list[str] | None = None) -> int:
     with Stack(stack_config({}, num_prefill=args.prefill, num_decode=args.decode)) as stack:
         assert stack.base_url is not None
         label = f"this stack ({args.prefill}P+{args.decode}D)"
-        documents[label] = _measure(label, stack.base_url, requests, warmups, load)
+        documents[label] = _measure(label, stack.base_url, requests, warmups, load, args.workload)
     if args.llama_server is not None:
         with _llama_server(args.llama_server, resolve_model_path(args.model), requests) as base_url:
-            documents["llama.cpp server"] = _measure("llama.cpp server", base_url, requests, warmups, load)
+            documents["llama.cpp server"] = _measure(
+                "llama.cpp server", base_url, requests, warmups, load, args.workload
+            )
     for label, base_url in externals:
-        documents[label] = _measure(label, base_url, requests, warmups, load)
+        documents[label] = _measure(label, base_url, requests, warmups, load, args.workload)
 
     print(format_markdown(comparison_table(list(documents), list(documents.values()))))
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    path = write_result(NAME, {"config": config, "runs": documents})
+    report: dict[str, Any] = {"config": config, "runs": documents}
+    if args.transformers:
+        report["transformers"] = _transformers_static(args, requests, documents)
+    path = write_result(NAME, report)
     print(f"results: {path}", file=sys.stderr)
     return 0 if all(doc["metrics"]["num_failed"] == 0 for doc in documents.values()) else 1
 
 
 def _measure(
-    label: str, base_url: str, requests: list[BenchRequest], warmups: list[BenchRequest], load: LoadSpec
+    label: str, base_url: str, requests: list[BenchRequest], warmups: list[BenchRequest], load: LoadSpec,
+    workload: str,
 ) -> dict[str, Any]:
     print(f"{label}: {len(requests)} requests to {base_url}", file=sys.stderr)
     metrics, results = run_load(base_url, requests, load, warmups)
-    config = {"workload": "random", "num_prompts": len(requests), "request_rate": load.request_rate}
+    config = {"workload": workload, "num_prompts": len(requests), "request_rate": load.request_rate}
     return result_document(config, metrics, results)
+
+
+def _transformers_static(
+    args: argparse.Namespace, requests: list[BenchRequest], documents: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """transformers generate on the same prompts, static batches in order, in this process after
+    the servers are gone; prints its output tokens/s against each server's."""
+    work = [WorkItem(list(r.prompt), r.max_tokens) for r in requests if isinstance(r.prompt, list)]
+    seconds, output_tokens = run_hf_static(
+        resolve_model_path(args.model), work, args.hf_batch_size, resolve_dtype("auto", torch.device("cpu"))
+    )
+    tokens_per_s = output_tokens / seconds
+    print(f"\ntransformers generate, static batches of {args.hf_batch_size}: {tokens_per_s:.1f} output tokens/s")
+    for label, doc in documents.items():
+        print(f"{label} / transformers: {doc['metrics']['output_throughput'] / tokens_per_s:.2f}x")
+    return {"batch_size": args.hf_batch_size, "seconds": seconds, "output_tokens": output_tokens,
+            "output_throughput": tokens_per_s}
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import handoff, prefix_cache, stack_harness
+from bench import handoff, prefix_cache, side_by_side, stack_harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,3 +59,21 @@ def test_handoff_bytes_grow_with_prompt_length(results_dir: Path, capsys: pytest
         assert row["failed"] == 0 and row["handoff_mean_s"] > 0 and row["handoff_mib_s"] > 0
         assert 0 < row["handoff_share_of_second_token"] < row["handoff_share_of_itl0"]
         assert row["ttft_worker_mean_s"] > 0
+
+
+def test_side_by_side_runs_the_stack_and_transformers_on_one_chat_mix(
+    results_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--workload", "chat-mix", "--num-prompts", "3", "--input-len", "12", "--output-len", "3",
+            "--transformers", "--hf-batch-size", "2"]  # fmt: skip
+    assert side_by_side.main(argv) == 0
+    printed = capsys.readouterr().out
+    document = json.loads((results_dir / "side_by_side.json").read_text())
+
+    (label, run), = document["runs"].items()
+    assert label == "this stack (1P+1D)" and run["config"]["workload"] == "chat-mix"
+    assert run["metrics"]["num_completed"] == 3 and run["metrics"]["num_failed"] == 0
+    hf = document["transformers"]
+    # every request's max_tokens counts, as the stack's run counts every generated token
+    assert hf["output_tokens"] == run["metrics"]["total_output_tokens"] > 0 and hf["output_throughput"] > 0
+    assert "transformers generate, static batches of 2" in printed and "this stack (1P+1D) / transformers" in printed
