@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -124,6 +125,9 @@ class Worker:
         self.stopping = asyncio.Event()  # first SIGTERM/SIGINT: drain
         self.stopped = asyncio.Event()  # second signal, or drained: stop now
         self.capacity_changed = asyncio.Event()
+        # entries read from each stream and not yet through their handler: a batch is handled one
+        # entry at a time, so the last may wait behind long engine calls; no reclaimer takes them
+        self.unhandled: dict[str, set[bytes]] = defaultdict(set)
         self._work = asyncio.Event()
         self._beat_now = asyncio.Event()
         self._is_stuck = False
@@ -299,11 +303,15 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
+            unhandled = self.unhandled[stream]
+            unhandled.update(entry_id for entry_id, _ in entries)
             for entry_id, msg in entries:
                 try:
                     await handle(entry_id, msg)
                 except Exception:
                     logger.exception("handling %s from %s failed", type(msg).__name__, stream)
+                finally:
+                    unhandled.discard(entry_id)
 
     async def send(self, stream: str, msg: Message) -> None:
         await with_backoff(lambda: self.bus.send(stream, msg), f"sending {msg.TYPE}", self.stopped)

@@ -14,15 +14,13 @@ if not torch.cuda.is_available():
 from services.launcher import RedisServer  # noqa: E402
 from shared.model.loader import LoadedModel, default_model_path, load_model  # noqa: E402
 
+# Tests talk to a real Redis: REDIS_URL when set, else a private server started for this run.
+# Started on import, not in pytest_configure: a run of one file also loads that directory's
+# conftest before pytest_configure, and modules it imports read REDIS_URL when they load.
 _private_redis: RedisServer | None = None
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Tests talk to a real Redis: REDIS_URL when set, else a private server started for this run."""
-    global _private_redis
-    if "REDIS_URL" not in os.environ:
-        _private_redis = RedisServer()
-        os.environ["REDIS_URL"] = _private_redis.start()
+if "REDIS_URL" not in os.environ:
+    _private_redis = RedisServer()
+    os.environ["REDIS_URL"] = _private_redis.start()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -166,7 +166,7 @@ class PrefillWorker(Worker):
             capacity = self._intake_capacity()
             if capacity <= 0:
                 continue
-            held = {t.entry_id for t in self._tracked.values()} | self._admitting
+            held = {t.entry_id for t in self._tracked.values()} | self._admitting | self.unhandled[self.keys.requests]
             try:
                 for claimed in await self.reclaimer.claim(capacity, held):
                     await self._take_over(claimed)

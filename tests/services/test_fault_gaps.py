@@ -4,6 +4,7 @@ the engine call, overload at the gateway, a stuck engine, and what crosses Redis
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -45,8 +46,9 @@ pytestmark = pytest.mark.timeout(60)
 class FakeEngine:
     """What EngineThread and the prefill worker touch; `add_request` crashes when `crash` is set."""
 
-    def __init__(self, crash: bool = False) -> None:
+    def __init__(self, crash: bool = False, admit_delay_s: float = 0.0) -> None:
         self.crash = crash
+        self.admit_delay_s = admit_delay_s
         self.num_steps = 0
         self.num_waiting = 0
 
@@ -54,6 +56,7 @@ class FakeEngine:
         return EngineStats(0, self.num_waiting, 0, KVCacheStats(8, 0, 0, 8, 0, 0, 0, 0))
 
     def add_request(self, *args: Any) -> None:
+        time.sleep(self.admit_delay_s)  # the engine thread is busy, as behind a long prefill step
         if self.crash:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         self.num_waiting += 1
@@ -133,6 +136,36 @@ async def test_a_request_that_crashes_the_engine_call_is_dead_lettered_and_the_g
     await eventually(lambda: _async("good" in w._tracked))
     assert engine.num_waiting == 1
     assert not any(loop.done() for loop in loops)
+    w.stopping.set()
+    w.engine.shutdown()
+    await w.bus.close()
+
+
+async def test_entries_waiting_behind_a_slow_engine_are_not_reclaimed_by_their_own_worker(
+    bus: Bus, namespace: str, spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # one read takes all three requests; each admission waits on the engine thread far longer than
+    # the reclaim loop's idle limit, so the later entries sit read but unhandled past it
+    settings = dict(heartbeat_interval_s=0.05, heartbeat_ttl_s=0.1, max_deliveries=1)
+    w = PrefillWorker(worker_settings(namespace, "prefill-slow", **settings))
+    engine = FakeEngine(admit_delay_s=0.5)
+    await with_engine(w, engine)
+    await w.setup()
+    for i in range(3):
+        await bus.send(bus.keys.requests, GenerateRequest(
+            f"slow-{i}", "gw-slow", [1, 2, 3], SamplingParams(max_tokens=4).to_dict(), seed=7))  # fmt: skip
+    spawn(w.consume(bus.keys.requests, PREFILL_GROUP, w._on_request, w._intake_capacity, w.stopping))
+    spawn(w._reclaim_loop())
+    await eventually(lambda: _async(len(w._tracked) == 3), timeout_s=30)
+
+    assert engine.num_waiting == 3
+    pending = await bus.redis.xpending_range(bus.keys.requests, PREFILL_GROUP, min="-", max="+", count=10)
+    # delivered once each: the reclaim loop took none back (with max_deliveries 1 it would have
+    # dead-lettered them, healthy as they are)
+    assert [p["times_delivered"] for p in pending] == [1, 1, 1]
+    assert await bus.redis.xlen(bus.keys.dead_letter) == 0
+    assert "taking over" not in caplog.text
     w.stopping.set()
     w.engine.shutdown()
     await w.bus.close()
