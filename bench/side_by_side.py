@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="default", help="a .gguf file (llama.cpp needs GGUF) or 'default'")
     parser.add_argument("--prefill", type=int, default=1, help="this stack's prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="this stack's decode workers")
+    parser.add_argument("--decode-threads", type=int,
+                        help="torch threads of each decode worker (default: the machine's cores split evenly over "
+                             "the workers); more than that share cores with the prefill workers when they are busy")
     parser.add_argument("--llama-server", type=Path, help="path of llama.cpp's llama-server binary")
     parser.add_argument("--url", action="append", default=[], metavar="LABEL=URL", help="a running server")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -83,9 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     load = LoadSpec(request_rate=args.request_rate, seed=args.seed)
 
     documents: dict[str, dict[str, Any]] = {}
-    with Stack(stack_config({}, num_prefill=args.prefill, num_decode=args.decode)) as stack:
+    config = stack_config({}, num_prefill=args.prefill, num_decode=args.decode)
+    if args.decode_threads is not None:
+        config.role_env["decode"] = {"LLMD_TORCH_THREADS": str(args.decode_threads)}
+    with Stack(config) as stack:
         assert stack.base_url is not None
-        label = f"this stack ({args.prefill}P+{args.decode}D)"
+        threads = "" if args.decode_threads is None else f", {args.decode_threads} decode threads"
+        label = f"this stack ({args.prefill}P+{args.decode}D{threads})"
         documents[label] = _measure(label, stack.base_url, requests, warmups, load, args.workload)
     if args.llama_server is not None:
         with _llama_server(args.llama_server, resolve_model_path(args.model), requests) as base_url:
