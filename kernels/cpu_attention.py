@@ -123,7 +123,9 @@ def paged_decode_attention(
     seq_lens = seq_lens.contiguous()
     max_seq_len = int(seq_lens.max())
     if int(seq_lens.min()) < 1:
-        raise ValueError(f"every decode request needs at least one token in the cache, got seq_lens {seq_lens.tolist()}")
+        raise ValueError(
+            f"every decode request needs at least one token in the cache, got seq_lens {seq_lens.tolist()}"
+        )
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {cache.stride()}")
