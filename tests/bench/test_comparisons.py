@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import handoff, prefix_cache, side_by_side, stack_harness
+from bench.serving.workload import BenchRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -61,19 +62,18 @@ def test_handoff_bytes_grow_with_prompt_length(results_dir: Path, capsys: pytest
         assert row["ttft_worker_mean_s"] > 0
 
 
-def test_side_by_side_runs_the_stack_and_transformers_on_one_chat_mix(
-    results_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["--workload", "chat-mix", "--num-prompts", "3", "--input-len", "12", "--output-len", "3",
-            "--transformers", "--hf-batch-size", "2"]  # fmt: skip
-    assert side_by_side.main(argv) == 0
+def test_side_by_side_baseline_runs_transformers_on_the_same_prompts(capsys: pytest.CaptureFixture[str]) -> None:
+    args = side_by_side.build_parser().parse_args(
+        ["--workload", "chat-mix", "--input-len", "12", "--output-len", "3", "--transformers", "--hf-batch-size", "2"]
+    )
+    requests = [BenchRequest([5, 6, 7], 3, 2), BenchRequest([8, 9, 10, 11, 12], 5, 4), BenchRequest([13], 1, 1)]
+    served = {"this stack (1P+1D)": {"metrics": {"output_throughput": 5.0}}}
+    baseline = side_by_side._transformers_static(args, requests, served)
     printed = capsys.readouterr().out
-    document = json.loads((results_dir / "side_by_side.json").read_text())
 
-    (label, run), = document["runs"].items()
-    assert label == "this stack (1P+1D)" and run["config"]["workload"] == "chat-mix"
-    assert run["metrics"]["num_completed"] == 3 and run["metrics"]["num_failed"] == 0
-    hf = document["transformers"]
-    # every request's max_tokens counts, as the stack's run counts every generated token
-    assert hf["output_tokens"] == run["metrics"]["total_output_tokens"] > 0 and hf["output_throughput"] > 0
-    assert "transformers generate, static batches of 2" in printed and "this stack (1P+1D) / transformers" in printed
+    # each request's max_tokens counts, as a server's run counts every token it generated
+    assert baseline["output_tokens"] == 2 + 4 + 1 and baseline["batch_size"] == 2
+    assert baseline["output_throughput"] == pytest.approx(baseline["output_tokens"] / baseline["seconds"])
+    ratio = 5.0 / baseline["output_throughput"]
+    assert "transformers generate, static batches of 2" in printed
+    assert f"this stack (1P+1D) / transformers: {ratio:.2f}x" in printed
