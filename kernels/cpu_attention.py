@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
 # -ffast-math lets gcc vectorise the reductions and call glibc's vector expf; the kernel has
-# no infinities or NaNs to lose (it takes its maximum over real scores only)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# no infinities or NaNs to lose (it takes its maximum over real scores only). It is a compile
+# flag only: linking with it would add crtfastmath.o, whose constructor turns on flush-to-zero
+# for the whole process when the library loads, and torch's numerics with it.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 _INT64, _INT32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _ARGTYPES = [
@@ -58,7 +61,8 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    for part in (SOURCE.read_bytes(), compiler.encode(), flags.encode(), _cpu_signature().encode()):
         digest.update(part)
     target = cache_dir() / f"{SOURCE.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -67,16 +71,19 @@ def _build(compiler: str) -> Path:
     # build beside the target and rename: several workers may start at once
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        result = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} exited with {result.returncode}: {result.stderr.strip()}")
+        compile_ = [compiler, *COMPILE_FLAGS, "-o", obj, str(SOURCE)]
+        link = [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]
+        for command in (compile_, link):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} exited with {result.returncode}: {result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

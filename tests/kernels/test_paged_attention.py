@@ -112,6 +112,13 @@ def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
 
 
+def test_loading_the_cpu_kernel_leaves_subnormals_alone(cpu_kernel: None) -> None:
+    # a library linked with -ffast-math would turn on flush-to-zero for the whole process
+    assert 1e-310 * 1.0 != 0.0
+    tiny = torch.tensor([1e-38], dtype=torch.float32) / 1e3
+    assert tiny.item() != 0.0
+
+
 def test_cpu_kernel_reads_strided_queries(cpu_kernel: None) -> None:
     batch = _batch(DECODE_CASES[1], torch.float32)
     # q as the model makes it: one head's slice of a wider projection, so rows are not packed
