@@ -1,4 +1,4 @@
-"""Paged decode attention for float32 on the CPU: csrc/paged_decode_attention.c through ctypes.
+"""Paged decode attention for float32 and bfloat16 on the CPU: csrc/paged_decode_attention.c through ctypes.
 
 The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`),
 for this CPU (-march=native), into `${XDG_CACHE_HOME:-~/.cache}/llmd/kernels/`; the file
@@ -42,8 +42,13 @@ _ARGTYPES = [
     _PTR, _INT64, _INT64, _INT64,  # v_cache, strides (block, token, head)
     _PTR, _INT64, _PTR,  # block_tables, its row stride, seq_lens
     _INT32, _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, heads, kv heads, head_dim, block_size, max len
-    ctypes.c_float,  # scale
+    ctypes.c_float, _INT32,  # scale, dtype code
 ]
+# the kernel's dtype codes; it computes in float32 for both
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# it works on 16 lanes: head_dim and block_size must be multiples of that
+LANES = 16
+MAX_HEAD_DIM = 256
 
 
 def cache_dir() -> Path:
@@ -99,14 +104,26 @@ def load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("building %s failed, CPU decode attention runs the slower PyTorch reference: %s", SOURCE, exc)
         return None
-    lib.paged_decode_attention_f32.argtypes = _ARGTYPES
-    lib.paged_decode_attention_f32.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = _ARGTYPES
+    lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
 
-def supports(q: torch.Tensor) -> bool:
-    """Whether `paged_decode_attention` can take this query: float32 on the CPU, with the kernel built."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and load() is not None
+def _unsupported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these arguments, or None where it can."""
+    if q.device.type != "cpu" or q.dtype not in DTYPE_CODES:
+        return f"the CPU decode attention kernel takes {list(DTYPE_CODES)} on the CPU, got {q.dtype} on {q.device}"
+    head_dim, block_size = q.shape[-1], k_cache.shape[1]
+    if head_dim % LANES or head_dim > MAX_HEAD_DIM:
+        return f"the CPU decode attention kernel takes head_dim a multiple of {LANES} up to {MAX_HEAD_DIM}, got {head_dim}"
+    if block_size % LANES:
+        return f"the CPU decode attention kernel takes block_size a multiple of {LANES}, got {block_size}"
+    return None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` can take this query and cache, with the kernel built."""
+    return _unsupported(q, k_cache) is None and load() is not None
 
 
 def paged_decode_attention(
@@ -121,6 +138,8 @@ def paged_decode_attention(
     lib = load()
     if lib is None:
         raise RuntimeError(f"the CPU decode attention kernel is not built (see the warning logged for {SOURCE})")
+    if (reason := _unsupported(q, k_cache)) is not None:
+        raise ValueError(reason)
     num_reqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if num_reqs == 0:
@@ -137,14 +156,15 @@ def paged_decode_attention(
         if cache.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {cache.stride()}")
     with torch.profiler.record_function("llmd::paged_decode_attention"):
-        failed = lib.paged_decode_attention_f32(
+        failed = lib.paged_decode_attention(
             out.data_ptr(), out.stride(0), out.stride(1),
             q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), *k_cache.stride()[:3],
             v_cache.data_ptr(), *v_cache.stride()[:3],
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
             num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], max_seq_len, scale,
+            DTYPE_CODES[q.dtype],
         )
-    if failed:
+    if failed:  # 2 (arguments it does not take) is ruled out above
         raise MemoryError(f"the CPU decode attention kernel could not allocate scratch for {max_seq_len} keys")
     return out

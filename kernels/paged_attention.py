@@ -397,17 +397,18 @@ def paged_attention(
     values (the engine zero-initialises its pool): the CPU reference reads and masks them
     rather than spending a pass on zeroing them.
 
-    On CUDA this runs the Triton kernels; on the CPU, float32 decode requests run the C kernel
-    of `kernels.cpu_attention` and everything else `paged_attention_ref`. The reference
+    On CUDA this runs the Triton kernels; on the CPU, float32 and bfloat16 decode requests run
+    the C kernel of `kernels.cpu_attention` and everything else `paged_attention_ref`. The reference
     matches Hugging Face's SDPA attention bit for bit on equal-length decode batches and fresh
-    prompts, and to float rounding elsewhere (padding changes SDPA's vector tails); the C
-    kernel agrees with it to float rounding (about 1e-6).
+    prompts, and to float rounding elsewhere (padding changes SDPA's vector tails). The C
+    kernel agrees with it to float rounding in float32 (about 1e-6); in bfloat16 it keeps
+    float32 until it rounds the output, so it is within one bf16 ulp of the float32 result.
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     if q.is_cuda:
         return paged_attention_triton(*args)
     _check_args(*args[:-1])
-    if q.shape[0] and cpu_attention.supports(q):
+    if q.shape[0] and cpu_attention.supports(q, k_cache):
         return paged_attention_cpu(*args)
     return paged_attention_ref(*args)
 
@@ -416,7 +417,7 @@ def paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
 ) -> torch.Tensor:
-    """float32 on the CPU: one-query (decode) requests run the C kernel, which reads the cache
+    """On the CPU: one-query (decode) requests run the C kernel, which reads the cache
     in place; longer ones (prefill chunks) run the reference, where SDPA's matrix products pay
     for the gather."""
     if max_query_len == 1:

@@ -112,6 +112,20 @@ def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
 
 
+# decode only: longer queries run the bf16 reference, which rounds on the way
+@pytest.mark.parametrize("case", DECODE_CASES + SPLIT_DECODE_CASES + CPU_EXTRA_CASES, ids=_case_id)
+def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel: None) -> None:
+    batch = _batch(case, torch.bfloat16)
+    out = paged_attention_cpu(*batch.args)
+    assert out.dtype == torch.bfloat16 and out.shape == batch.q.shape
+    # the same bf16 values attended in float32: the kernel only rounds the output, so it sits
+    # within one bf16 ulp (2**-8 relative) of this, closer than the bf16 reference gets
+    upcast = [t.float() if t.is_floating_point() else t for t in batch.args[:-2]]
+    exact = paged_attention_ref(*upcast, *batch.args[-2:])
+    torch.testing.assert_close(out.float(), exact, atol=1e-3, rtol=2**-8)
+    torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.bfloat16])
+
+
 def test_loading_the_cpu_kernel_leaves_subnormals_alone(cpu_kernel: None) -> None:
     # a library linked with -ffast-math would turn on flush-to-zero for the whole process
     assert 1e-310 * 1.0 != 0.0
@@ -129,11 +143,12 @@ def test_cpu_kernel_reads_strided_queries(cpu_kernel: None) -> None:
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
 
 
-def test_cpu_dispatch_runs_the_kernel_for_float32_and_the_reference_otherwise(cpu_kernel: None) -> None:
-    fp32 = _batch(EXTEND_CASES[2], torch.float32)
-    assert torch.equal(paged_attention(*fp32.args), paged_attention_cpu(*fp32.args))
-    bf16 = _batch(EXTEND_CASES[2], torch.bfloat16)
-    assert torch.equal(paged_attention(*bf16.args), paged_attention_ref(*bf16.args))
+def test_cpu_dispatch_runs_the_kernel_for_float32_and_bf16_and_the_reference_otherwise(cpu_kernel: None) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = _batch(EXTEND_CASES[2], dtype)
+        assert torch.equal(paged_attention(*batch.args), paged_attention_cpu(*batch.args))
+    fp16 = _batch(EXTEND_CASES[2], torch.float16)
+    assert torch.equal(paged_attention(*fp16.args), paged_attention_ref(*fp16.args))
 
 
 def test_without_a_compiler_the_reference_runs(
@@ -150,6 +165,22 @@ def test_without_a_compiler_the_reference_runs(
         assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
     finally:
         cpu_attention.load.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (([5, 20], [1, 1], 4, 2, 72, 16), "head_dim a multiple of 16 up to 256, got 72"),
+        (([5, 20], [1, 1], 4, 2, 64, 8), "block_size a multiple of 16, got 8"),
+    ],
+)
+def test_shapes_the_cpu_kernel_does_not_take_run_the_reference(case: Case, message: str, cpu_kernel: None) -> None:
+    batch = _batch(case, torch.float32)
+    assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
+    with pytest.raises(ValueError, match=message):
+        cpu_attention.paged_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
+        )
 
 
 def test_cpu_kernel_rejects_an_empty_context(cpu_kernel: None) -> None:

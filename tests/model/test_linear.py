@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.model.linear import Linear, onednn_packing_available
+
+CPU = torch.device("cpu")
+
+
+def test_packing_is_offered_for_float32_and_for_bf16_only_where_onednn_has_it() -> None:
+    assert onednn_packing_available(torch.float32, CPU) == torch.backends.mkldnn.is_available()
+    assert onednn_packing_available(torch.bfloat16, CPU) == (
+        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    assert not onednn_packing_available(torch.float16, CPU)
+    assert not onednn_packing_available(torch.float32, torch.device("meta"))
+
+
+# bf16: the packed product rounds its float32 sum once, like F.linear, but sums in another
+# order: a bf16 ulp at most
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2**-7}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int, bias: bool) -> None:
+    if not onednn_packing_available(dtype, CPU):
+        pytest.skip(f"oneDNN packing is not available for {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 48, generator=gen) / 7).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 48, generator=gen).to(dtype)
+    packed = Linear(weight.clone(), b, pack=True)
+    assert packed.out_features == 96
+    out = packed(x)
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, weight, b), **TOLERANCES[dtype])
+    assert torch.equal(Linear(weight, b, pack=False)(x), F.linear(x, weight, b))
