@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
