@@ -128,12 +128,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 def load_tokenizer(path: Path) -> Any:
+    """The transformers tokenizer of a .gguf file or checkpoint folder (a GGUF's conversion is cached on disk)."""
     # transformers takes seconds to import; only text prompts and exact vocabularies need it.
-    from transformers import AutoTokenizer
+    from shared.text.tokenizer import Tokenizer
 
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
+    return Tokenizer.from_path(str(path)).hf
 
 
 def prepare_requests(args: argparse.Namespace, plan: Plan) -> tuple[list[BenchRequest], list[BenchRequest]]:

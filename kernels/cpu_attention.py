@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from shared.disk_cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
@@ -51,11 +53,6 @@ LANES = 16
 MAX_HEAD_DIM = 256
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llmd" / "kernels"
-
-
 def _cpu_signature() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -69,7 +66,7 @@ def _build(compiler: str) -> Path:
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
     for part in (SOURCE.read_bytes(), compiler.encode(), flags.encode(), _cpu_signature().encode()):
         digest.update(part)
-    target = cache_dir() / f"{SOURCE.stem}-{digest.hexdigest()[:16]}.so"
+    target = cache_dir("kernels") / f"{SOURCE.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -92,4 +92,4 @@ class EngineThread:
 
 
 def load_engine(settings: WorkerServiceSettings) -> Engine:
-    return Engine(settings.engine, load_model(settings.model.path))
+    return Engine(settings.engine, load_model(settings.model.path, settings.model.disk_cache))

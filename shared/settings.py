@@ -21,6 +21,8 @@ class ModelSettings(BaseModel):
         "auto", description="auto: bfloat16 on CUDA and on CPUs with native bf16, else float32")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present")
     max_model_len: int | None = Field(None, ge=16, description="context length cap (default: the model's)")
+    disk_cache: bool = Field(
+        True, description="keep a GGUF's converted weights and tokenizer under ~/.cache/llmd/models (starts in ~1 s, not ~10)")
 
 
 class KVCacheSettings(BaseModel):

