@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transformers", action="store_true",
                         help="also run transformers generate on the same prompts in static batches (no server)")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="--transformers: static batch size")
+    parser.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="--transformers: dtype (auto as the workers choose; transformers keeps a GGUF's "
+                             "weights quantized and says float32 is its fastest)")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf = one burst")
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -128,14 +131,14 @@ def _transformers_static(
     """transformers generate on the same prompts, static batches in order, in this process after
     the servers are gone; prints its output tokens/s against each server's."""
     work = [WorkItem(list(r.prompt), r.max_tokens) for r in requests if isinstance(r.prompt, list)]
-    seconds, output_tokens = run_hf_static(
-        resolve_model_path(args.model), work, args.hf_batch_size, resolve_dtype("auto", torch.device("cpu"))
-    )
+    dtype = resolve_dtype(args.hf_dtype, torch.device("cpu"))
+    seconds, output_tokens = run_hf_static(resolve_model_path(args.model), work, args.hf_batch_size, dtype)
     tokens_per_s = output_tokens / seconds
-    print(f"\ntransformers generate, static batches of {args.hf_batch_size}: {tokens_per_s:.1f} output tokens/s")
+    print(f"\ntransformers generate ({dtype}), static batches of {args.hf_batch_size}: "
+          f"{tokens_per_s:.1f} output tokens/s")
     for label, doc in documents.items():
         print(f"{label} / transformers: {doc['metrics']['output_throughput'] / tokens_per_s:.2f}x")
-    return {"batch_size": args.hf_batch_size, "seconds": seconds, "output_tokens": output_tokens,
+    return {"batch_size": args.hf_batch_size, "dtype": str(dtype), "seconds": seconds, "output_tokens": output_tokens,
             "output_throughput": tokens_per_s}
 
 

@@ -64,7 +64,8 @@ def test_handoff_bytes_grow_with_prompt_length(results_dir: Path, capsys: pytest
 
 def test_side_by_side_baseline_runs_transformers_on_the_same_prompts(capsys: pytest.CaptureFixture[str]) -> None:
     args = side_by_side.build_parser().parse_args(
-        ["--workload", "chat-mix", "--input-len", "12", "--output-len", "3", "--transformers", "--hf-batch-size", "2"]
+        ["--workload", "chat-mix", "--input-len", "12", "--output-len", "3", "--transformers", "--hf-batch-size", "2",
+         "--hf-dtype", "float32"]
     )
     requests = [BenchRequest([5, 6, 7], 3, 2), BenchRequest([8, 9, 10, 11, 12], 5, 4), BenchRequest([13], 1, 1)]
     served = {"this stack (1P+1D)": {"metrics": {"output_throughput": 5.0}}}
@@ -73,7 +74,8 @@ def test_side_by_side_baseline_runs_transformers_on_the_same_prompts(capsys: pyt
 
     # each request's max_tokens counts, as a server's run counts every token it generated
     assert baseline["output_tokens"] == 2 + 4 + 1 and baseline["batch_size"] == 2
+    assert baseline["dtype"] == "torch.float32"
     assert baseline["output_throughput"] == pytest.approx(baseline["output_tokens"] / baseline["seconds"])
     ratio = 5.0 / baseline["output_throughput"]
-    assert "transformers generate, static batches of 2" in printed
+    assert "transformers generate (torch.float32), static batches of 2" in printed
     assert f"this stack (1P+1D) / transformers: {ratio:.2f}x" in printed
