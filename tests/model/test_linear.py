@@ -26,16 +26,16 @@ TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"ato
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_f_linear(dtype: torch.dtype, rows: int, bias: bool) -> None:
-    if not onednn_packing_available(dtype, CPU):
-        pytest.skip(f"oneDNN packing is not available for {dtype} on this CPU")
+def test_linear_as_the_model_builds_it_matches_f_linear(dtype: torch.dtype, rows: int, bias: bool) -> None:
+    # packed wherever the model would pack it (always for float32 here; bf16 where native), else plain
+    pack = onednn_packing_available(dtype, CPU)
     gen = torch.Generator().manual_seed(rows)
     weight = (torch.randn(96, 48, generator=gen) / 7).to(dtype)
     b = torch.randn(96, generator=gen).to(dtype) if bias else None
     x = torch.randn(rows, 48, generator=gen).to(dtype)
-    packed = Linear(weight.clone(), b, pack=True)
-    assert packed.out_features == 96
-    out = packed(x)
+    linear = Linear(weight.clone(), b, pack=pack)
+    assert linear.packed == pack and linear.out_features == 96
+    out = linear(x)
     assert out.dtype == dtype and out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, weight, b), **TOLERANCES[dtype])
     assert torch.equal(Linear(weight, b, pack=False)(x), F.linear(x, weight, b))
