@@ -98,6 +98,7 @@ class DecodeWorker(Worker):
         self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=settings.worker.handoff_timeout_s * 3)
         self._reserved: dict[str, Reservation] = {}
         self._writing: dict[str, asyncio.Future[None]] = {}  # KV writes in flight, off the engine thread
+        self._in_turn: dict[str, asyncio.Task[None]] = {}  # each request's latest offer or cancel being handled
         self.tokens = TokenStream(self)
         self._tally = Tally()
 
@@ -123,17 +124,37 @@ class DecodeWorker(Worker):
     # -- inbox -----------------------------------------------------------------------------------
 
     async def _on_inbox(self, entry_id: bytes, msg: Message | None) -> None:
+        if isinstance(msg, (HandoffOffer, Cancel)):
+            # each in its own task: the reserves of a burst of offers then share one wait for the step
+            # in progress, instead of waiting for one step each; one request's messages keep their order
+            task = self.spawn(self._handle_in_turn(entry_id, msg, self._in_turn.get(msg.req_id)))
+            self._in_turn[msg.req_id] = task
+            task.add_done_callback(lambda done: self._end_turn(msg.req_id, done))
+            return
         try:
-            if isinstance(msg, HandoffOffer):
-                await self._on_offer(msg)
-            elif isinstance(msg, KVReady):
+            if isinstance(msg, KVReady):
                 self.spawn(self._on_kv_ready(msg))  # the fetch must not hold up offers and cancels
-            elif isinstance(msg, Cancel):
-                await self._on_cancel(msg)
             else:
                 logger.warning("ignoring unexpected %s in inbox", type(msg).__name__)
         finally:
             await self.ack(self.inbox, INBOX_GROUP, entry_id)
+
+    async def _handle_in_turn(
+        self, entry_id: bytes, msg: HandoffOffer | Cancel, after: asyncio.Task[None] | None
+    ) -> None:
+        try:
+            if after is not None:
+                await asyncio.wait([after])
+            if isinstance(msg, HandoffOffer):
+                await self._on_offer(msg)
+            else:
+                await self._on_cancel(msg)
+        finally:
+            await self.ack(self.inbox, INBOX_GROUP, entry_id)
+
+    def _end_turn(self, req_id: str, done: asyncio.Task[None]) -> None:
+        if self._in_turn.get(req_id) is done:
+            del self._in_turn[req_id]
 
     async def _on_offer(self, offer: HandoffOffer) -> None:
         held = self._reserved.get(offer.req_id)

@@ -34,7 +34,7 @@ from shared.protocol import (
     Message,
     WorkerStatus,
 )
-from shared.settings import RedisSettings, WorkerServiceSettings, WorkerSettings
+from shared.settings import KVCacheSettings, ModelSettings, RedisSettings, WorkerServiceSettings, WorkerSettings
 from shared.streams import INBOX_GROUP, with_backoff
 from tests.services.stack_client import (
     REDIS_URL,
@@ -196,6 +196,54 @@ async def test_a_reservation_whose_kv_never_comes_is_freed_and_the_gateway_told(
     reply = (await gateway.finish("orphan"))["orphan"]
     assert (reply.token_ids, reply.finish_reason, reply.worker_ids) == ([], "abort", [decode.worker_id])
     assert f"did not arrive from {ghost}" in (reply.error or "")
+
+
+async def test_a_burst_of_offers_is_answered_within_a_step_or_two_not_one_step_each(loaded_model: LoadedModel) -> None:
+    """A decode worker in this process, kept busy by a long request: the offers of a burst wait for
+    the step in progress together, so their answers go out within a step or two of each other."""
+    settings = WorkerServiceSettings(
+        redis=RedisSettings(url=REDIS_URL, namespace=f"test-offers-{uuid.uuid4().hex[:8]}"),
+        model=ModelSettings(dtype="float32"),
+        kv_cache=KVCacheSettings(memory_bytes=NUM_BLOCKS * block_bytes(loaded_model)),
+        worker=WorkerSettings(worker_id="decode-burst", health_port=0, handoff_timeout_s=60),
+    )
+    worker = DecodeWorker(settings)
+    answered_at_step: dict[str, int] = {}
+    answer = worker._answer
+
+    async def answer_and_note_the_step(offer: HandoffOffer, needed: list[int] | None) -> None:
+        answered_at_step[offer.req_id] = worker.engine.num_steps
+        await answer(offer, needed)
+
+    worker._answer = answer_and_note_the_step  # type: ignore[method-assign]
+    await worker.start(handle_signals=False)
+    try:
+        engine = worker.engine.engine
+        busy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        await worker.engine.call(engine.add_request, "busy", prompt(64, 9), busy)
+        worker.wake_engine()
+        await eventually(_async(lambda: worker.engine.num_steps >= 3), "the decode worker to be stepping")
+
+        offers = [
+            HandoffOffer(
+                req_id=f"offer-{i}", attempt=0, gateway_id="gw-burst", prefill_id="prefill-burst",
+                prompt_token_ids=prompt(20, 10 + i), output_token_ids=[42], output_logprobs=[],
+                output_top_logprobs=[], params=GREEDY.to_dict(), seed=i, num_cached_tokens=0, num_blocks=2,
+            )
+            for i in range(8)
+        ]
+        await asyncio.gather(*(worker.bus.send(worker.inbox, offer) for offer in offers))
+        await eventually(_async(lambda: len(answered_at_step) == len(offers)), "answers to every offer")
+
+        steps = sorted(answered_at_step.values())
+        assert steps[-1] - steps[0] <= 2, f"answered at steps {steps}: the offers waited for a step each"
+        assert set(worker._reserved) == {offer.req_id for offer in offers}
+        for offer in offers:
+            await worker.bus.send(worker.inbox, Cancel(offer.req_id, "test over", attempt=0))
+        await eventually(_async(lambda: not worker._reserved), "the reservations to be dropped")
+    finally:
+        worker.stopped.set()
+        await worker.close()
 
 
 async def _read_one(gateway: FakeGateway, stream: str) -> object:
