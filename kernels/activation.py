@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import _triton
+from kernels import _triton, cpu_layer_ops
 from kernels._triton import jit, tl
 
 
@@ -56,8 +56,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, 2 * I] = cat(gate, up) -> silu(gate) * up [num_tokens, I]."""
+    """x [num_tokens, 2 * I] = cat(gate, up) -> silu(gate) * up [num_tokens, I].
+
+    On the CPU, float32 and bfloat16 with a contiguous last dim run the C kernel of
+    `kernels.cpu_layer_ops`, the rest the reference."""
     if x.is_cuda:
         return silu_and_mul_triton(x)
     _check_args(x)
+    if cpu_layer_ops.supports(x) and x.stride(1) == 1:
+        return cpu_layer_ops.silu_and_mul(x)
     return silu_and_mul_ref(x)

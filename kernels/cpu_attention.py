@@ -1,40 +1,22 @@
 """Paged decode attention for float32 and bfloat16 on the CPU: csrc/paged_decode_attention.c through ctypes.
 
-The C source is compiled on first use with the machine's C compiler (`$CC`, else `cc`),
-for this CPU (-march=native), into `${XDG_CACHE_HOME:-~/.cache}/llmd/kernels/`; the file
-name carries a hash of the source, the flags and the CPU, so an edit or another machine
-builds afresh. It links the OpenMP runtime that torch has already loaded, so it runs on
-torch's threads (`torch.set_num_threads` applies). Where no compiler is found or the
-build fails, `load()` logs why once and returns None, and the callers run the PyTorch
-reference. ctypes drops the GIL for the call, so other Python threads run while it works.
+Built on first use for this CPU (see `kernels.cpu_build`); where it cannot be built, `load()`
+logs why once and returns None, and the callers run the PyTorch reference.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from shared.disk_cache import cache_dir
+from kernels.cpu_build import CSRC, load_library
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+SOURCE = CSRC / "paged_decode_attention.c"
 # -ffast-math lets gcc vectorise the reductions and call glibc's vector expf; the kernel has
-# no infinities or NaNs to lose (it takes its maximum over real scores only). It is a compile
-# flag only: linking with it would add crtfastmath.o, whose constructor turns on flush-to-zero
-# for the whole process when the library loads, and torch's numerics with it.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
-LINK_FLAGS = ("-shared", "-fopenmp")
+# no infinities or NaNs to lose (it takes its maximum over real scores only)
+COMPILE_FLAGS = ("-ffast-math",)
 
 _INT64, _INT32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _ARGTYPES = [
@@ -53,56 +35,13 @@ LANES = 16
 MAX_HEAD_DIM = 256
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    digest = hashlib.sha256()
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    for part in (SOURCE.read_bytes(), compiler.encode(), flags.encode(), _cpu_signature().encode()):
-        digest.update(part)
-    target = cache_dir("kernels") / f"{SOURCE.stem}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: several workers may start at once
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    obj = tmp + ".o"
-    try:
-        compile_ = [compiler, *COMPILE_FLAGS, "-o", obj, str(SOURCE)]
-        link = [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]
-        for command in (compile_, link):
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if result.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} exited with {result.returncode}: {result.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
-    return target
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None (logged once) where it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler (cc, gcc or $CC) found: CPU decode attention runs the slower PyTorch reference")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("building %s failed, CPU decode attention runs the slower PyTorch reference: %s", SOURCE, exc)
-        return None
-    lib.paged_decode_attention.argtypes = _ARGTYPES
-    lib.paged_decode_attention.restype = ctypes.c_int
+    lib = load_library(SOURCE, COMPILE_FLAGS, "CPU decode attention")
+    if lib is not None:
+        lib.paged_decode_attention.argtypes = _ARGTYPES
+        lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
 

@@ -31,7 +31,7 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + v_dst, value, mask=mask)
 
 
-def _check_args(
+def check_kv_cache_args(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     if key.dim() != 3 or value.shape != key.shape:
@@ -69,7 +69,7 @@ def write_kv_cache_ref(
 def write_kv_cache_triton(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    _check_args(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
@@ -99,7 +99,7 @@ def write_kv_cache(
     if key.is_cuda:
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
         return
-    _check_args(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel():
         low, high = int(slot_mapping.min()), int(slot_mapping.max())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _triton
+from kernels import _triton, cpu_layer_ops
 from kernels._triton import jit, tl
 
 
@@ -92,9 +92,16 @@ def rms_norm(
     """Return `(normed, residual_out)`; with `residual`, the norm is taken of `x + residual`.
 
     `residual_out` is the norm's input (the sum when `residual` is given, else `x` itself),
-    which the next layer adds its output to.
+    which the next layer adds its output to. On the CPU, 2-D float32 and bfloat16 inputs with a
+    contiguous last dim run the C kernel of `kernels.cpu_layer_ops`, the rest the reference.
     """
     if x.is_cuda:
         return rms_norm_triton(x, weight, eps, residual)
     _check_args(x, weight, residual)
+    if x.dim() == 2 and cpu_layer_ops.supports(x) and _unit_last_strides(x, weight, residual):
+        return cpu_layer_ops.rms_norm(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+def _unit_last_strides(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.stride(-1) == 1 for t in tensors)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _triton
+from kernels import _triton, cpu_layer_ops
 from kernels._triton import jit, tl
+from kernels.kv_cache_write import check_kv_cache_args, write_kv_cache
 
 
 @jit
@@ -106,3 +107,26 @@ def apply_rotary(
         return apply_rotary_triton(q, k, positions, cos_sin_cache)
     _check_args(q, k, positions, cos_sin_cache)
     return apply_rotary_ref(q, k, positions, cos_sin_cache)
+
+
+def rotate_and_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary(q, k, ...)`, then `write_kv_cache` of the rotated k and of v; returns the
+    rotated (q, k). On the CPU, float32 and bfloat16 with contiguous last dims run both in one
+    call of the C kernel of `kernels.cpu_layer_ops`, which rotates q and k in place."""
+    if q.is_cuda or not (cpu_layer_ops.supports(q) and _unit_last_strides(q, k, v, k_cache, v_cache)):
+        q, k = apply_rotary(q, k, positions, cos_sin_cache)
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+    _check_args(q, k, positions, cos_sin_cache)
+    check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping)
+    if not (positions.is_contiguous() and slot_mapping.is_contiguous() and cos_sin_cache.is_contiguous()):
+        raise ValueError("positions, slot_mapping and cos_sin_cache must be contiguous")
+    cpu_layer_ops.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def _unit_last_strides(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(-1) == 1 for t in tensors)

@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
-from kernels.kv_cache_write import write_kv_cache
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
+from kernels.rotary import rotate_and_write_kv
 from shared.model.config import ModelConfig
 from shared.model.linear import Linear, onednn_packing_available
 from shared.model.rotary import cos_sin_cache
@@ -130,8 +129,7 @@ class LlamaModel:
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rotary(q, k, positions, self.cos_sin_cache)
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q, _ = rotate_and_write_kv(q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, self.scale
         )  # [num_tokens, num_heads, head_dim]

@@ -6,7 +6,10 @@ triton.language's own helpers are bound to the interpreter or the compiler at im
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -15,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels import _triton  # noqa: E402
+from kernels import _triton, cpu_attention, cpu_build, cpu_layer_ops  # noqa: E402
 from kernels.rms_norm import _rms_norm_kernel  # noqa: E402
 
 if _triton.triton is not None and _triton.is_interpreted(_rms_norm_kernel):
@@ -43,3 +46,20 @@ def triton_device() -> str:
         "triton was imported before TRITON_INTERPRET=1 was set, so it is bound to a GPU compiler "
         "while there is no GPU; set TRITON_INTERPRET=1 in the environment or in tests/conftest.py"
     )
+
+
+@pytest.fixture
+def without_a_compiler(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> Iterator[None]:
+    """`$CC` names no compiler and the kernel cache is empty, so no C kernel can be built; the
+    warnings of the attempts are captured in `caplog`."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    loaders = (cpu_attention.load, cpu_layer_ops.load)
+    for load in loaders:
+        load.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        yield
+    for load in loaders:
+        load.cache_clear()  # the next use loads the real build again

@@ -1,9 +1,7 @@
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -151,20 +149,11 @@ def test_cpu_dispatch_runs_the_kernel_for_float32_and_bf16_and_the_reference_oth
     assert torch.equal(paged_attention(*fp16.args), paged_attention_ref(*fp16.args))
 
 
-def test_without_a_compiler_the_reference_runs(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_attention.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
-            assert cpu_attention.load() is None
-        assert "PyTorch reference" in caplog.text and "no-such-cc" in caplog.text
-        batch = _batch(DECODE_CASES[1], torch.float32)
-        assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
-    finally:
-        cpu_attention.load.cache_clear()
+def test_without_a_compiler_the_reference_runs(without_a_compiler: None, caplog: pytest.LogCaptureFixture) -> None:
+    assert cpu_attention.load() is None
+    assert "PyTorch reference" in caplog.text and "no-such-cc" in caplog.text
+    batch = _batch(DECODE_CASES[1], torch.float32)
+    assert torch.equal(paged_attention(*batch.args), paged_attention_ref(*batch.args))
 
 
 @pytest.mark.parametrize(

@@ -43,10 +43,10 @@ def test_ref_is_bitwise_hf_llama_rms_norm_after_residual_add(dtype: torch.dtype)
         hf_norm.weight.copy_(weight)
         hf_residual = residual + x
         hf_out = hf_norm(hf_residual)
-    out, residual_out = rms_norm(x, weight, EPS, residual)
+    out, residual_out = rms_norm_ref(x, weight, EPS, residual)
     assert torch.equal(out, hf_out)
     assert torch.equal(residual_out, hf_residual)
-    assert torch.equal(rms_norm(x, weight, EPS)[0], hf_norm(x).detach())
+    assert torch.equal(rms_norm_ref(x, weight, EPS)[0], hf_norm(x).detach())
 
 
 def test_without_residual_returns_input_as_residual() -> None:
