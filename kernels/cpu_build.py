@@ -69,6 +69,18 @@ def _build(source: Path, compiler: str, extra_flags: tuple[str, ...]) -> Path:
     return target
 
 
+def load_functions(
+    source: Path, extra_flags: tuple[str, ...], what: str, signatures: dict[str, list[type]]
+) -> ctypes.CDLL | None:
+    """`load_library`, with each named function given its argument types and an int result."""
+    lib = load_library(source, extra_flags, what)
+    if lib is not None:
+        for name, argtypes in signatures.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
 def load_library(source: Path, extra_flags: tuple[str, ...], what: str) -> ctypes.CDLL | None:
     """`source` compiled with `extra_flags` and loaded; None, with a warning naming `what` falls
     back to the PyTorch reference, where it cannot be built. Callers cache the result."""

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import CSRC, load_library
+from kernels.cpu_build import CSRC, load_functions
 
 SOURCE = CSRC / "layer_ops.c"
 # exact IEEE arithmetic: no fused multiply-adds, no reassociation, so the rotary embedding
@@ -49,12 +49,7 @@ _OUT_OF_RANGE = {3: "slot_mapping", 4: "positions"}
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None (logged once) where it cannot be built."""
-    lib = load_library(SOURCE, COMPILE_FLAGS, "RMSNorm, rotary and SwiGLU on the CPU")
-    if lib is not None:
-        for name, argtypes in _SIGNATURES.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = ctypes.c_int
-    return lib
+    return load_functions(SOURCE, COMPILE_FLAGS, "RMSNorm, rotary and SwiGLU on the CPU", _SIGNATURES)
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -92,7 +92,7 @@ def test_the_key_follows_the_file_and_the_format(tmp_path: Path) -> None:
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert file_key(source) != key
-    assert derived_folder("models", source, "weights-v1").parent.name.startswith("model-")
+    assert derived_folder("models", source, "weights-v2").parent.name.startswith("model-")
 
 
 def test_a_gguf_model_is_converted_once_and_read_back_identical(
@@ -110,7 +110,7 @@ def test_a_gguf_model_is_converted_once_and_read_back_identical(
             assert loaded.weights[name].dtype == torch.float32
             assert torch.equal(loaded.weights[name], tensor), name
     (entry,) = (cache_home / "llmd" / "models").iterdir()
-    assert sorted(p.name for p in (entry / "weights-v1").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (entry / "weights-v2").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_weights_over_the_cap_are_not_cached(

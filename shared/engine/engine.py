@@ -126,7 +126,7 @@ class Engine:
         self.model_path = loaded.path
         self.max_model_len = min(settings.model.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        model = LlamaModel(self.config, loaded.weights, dtype, device)
+        model = LlamaModel(self.config, loaded.weights, dtype, device, loaded.quantized)
         kv = settings.kv_cache
         block_bytes = kv_block_bytes(self.config, kv.block_size, dtype)
         budget = kv.memory_bytes or int(available_memory_bytes(device) * kv.memory_fraction)

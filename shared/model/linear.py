@@ -12,12 +12,24 @@ weight and F.linear are used.
 
 oneDNN sums in another order than MKL, so logits differ from transformers' (which uses
 F.linear) by float rounding (about 1e-5); greedy output stays token-identical.
+
+Where the weight came as Q4_1 or Q8_0 blocks (a GGUF), float32 on the CPU, products of up to
+QUANTIZED_MAX_ROWS rows (decode steps) run `kernels.quantized_linear` over the blocks
+instead: the same float32 weights, read at 0.6-1.1 bytes each instead of 4, which is what a
+small batch waits for. Above that the packed float32 weight is faster (the product is bound
+by arithmetic, and oneDNN's is better than widening blocks on the fly).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import quantized_linear as block_kernel
+from kernels.quantized_linear import QuantizedWeight
+
+# the most rows a product sends to the block kernel (measured on a 2-core AVX2 EPYC: see docs/kernels.md)
+QUANTIZED_MAX_ROWS = 8
 
 
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -31,17 +43,33 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
-class Linear:
-    __slots__ = ("weight", "bias", "packed")
+def quantized_kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `Linear` can run block-format weights here: float32 on the CPU, with the kernel built."""
+    return dtype == torch.float32 and device.type == "cpu" and block_kernel.load() is not None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
-        """`weight` [out_features, in_features]; `pack` reorders it for oneDNN (CPU float32, or bf16 where native)."""
+
+class Linear:
+    __slots__ = ("weight", "bias", "packed", "quantized")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantized: QuantizedWeight | None = None
+    ) -> None:
+        """`weight` [out_features, in_features]; `pack` reorders it for oneDNN (CPU float32, or bf16 where native);
+        `quantized`: the same weight as blocks, for small products (see `quantized_kernel_available`)."""
+        if quantized is not None and (quantized.out_features, quantized.in_features) != tuple(weight.shape):
+            raise ValueError(
+                f"the block copy of a weight must have its shape {list(weight.shape)}, "
+                f"got {[quantized.out_features, quantized.in_features]}"
+            )
         self.bias = bias
         self.packed = pack
+        self.quantized = quantized
         # the packed copy replaces the plain one: keeping both would double the weights' memory
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+            return block_kernel.quantized_linear(x if x.stride(-1) == 1 else x.contiguous(), self.quantized, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -52,4 +80,5 @@ class Linear:
 
     def num_bytes(self) -> int:
         tensors = [self.weight] + ([] if self.bias is None else [self.bias])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        blocks = 0 if self.quantized is None else self.quantized.num_bytes()
+        return sum(t.numel() * t.element_size() for t in tensors) + blocks

@@ -18,7 +18,8 @@ from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
 from kernels.rotary import rotate_and_write_kv
 from shared.model.config import ModelConfig
-from shared.model.linear import Linear, onednn_packing_available
+from kernels.quantized_linear import QuantizedWeight
+from shared.model.linear import QUANTIZED_MAX_ROWS, Linear, onednn_packing_available, quantized_kernel_available
 from shared.model.rotary import cos_sin_cache
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,15 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+        quantized: dict[str, QuantizedWeight] | None = None,
     ) -> None:
+        """`quantized`: block-format copies of some of `weights` (a GGUF's), used where the kernel runs here."""
         self.config = config
         self.dtype = dtype
         self.device = device
         pack = onednn_packing_available(dtype, device)
+        blocks = (quantized or {}) if quantized_kernel_available(dtype, device) else {}
 
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -63,7 +67,10 @@ class LlamaModel:
             if any(b in weights for b in bias_names) and not all(b in weights for b in bias_names):
                 raise ValueError(f"{', '.join(names)}: some have a bias and some do not; they cannot be fused")
             bias = torch.cat([take(b) for b in bias_names]) if bias_names[0] in weights else None
-            return Linear(torch.cat([take(n) for n in names]).contiguous(), bias, pack)
+            parts = [blocks[n] for n in names if n in blocks]
+            one_format = len(parts) == len(names) and len({p.format for p in parts}) == 1
+            stacked = QuantizedWeight.stack(parts) if one_format else None
+            return Linear(torch.cat([take(n) for n in names]).contiguous(), bias, pack, stacked)
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
@@ -85,7 +92,10 @@ class LlamaModel:
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         ).to(device)
         self.scale = config.head_dim**-0.5
-        logger.info("linear layers: %s", "oneDNN, packed at load" if pack else "F.linear")
+        layers = [self.lm_head] + [lin for w in self.layers for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
+        in_blocks = sum(lin.quantized is not None for lin in layers)
+        logger.info("linear layers: %s; %d of %d also as GGUF blocks for products of up to %d rows",
+                    "oneDNN, packed at load" if pack else "F.linear", in_blocks, len(layers), QUANTIZED_MAX_ROWS)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take here, the packed copy of a tied LM head included."""

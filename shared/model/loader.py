@@ -1,12 +1,15 @@
 """Weight loading from a GGUF file or a Hugging Face checkpoint folder; never downloads.
 
 Both paths yield the same thing: a `ModelConfig` and a state dict named as in transformers'
-Llama (`model.layers.0.self_attn.q_proj.weight`, ...), in float32 on the CPU.
+Llama (`model.layers.0.self_attn.q_proj.weight`, ...), in float32 on the CPU. A GGUF's
+Q4_1 and Q8_0 matrices are also kept as they are in the file, under the same names
+(`LoadedModel.quantized`), for the kernels that read them without widening them first
+(`kernels.quantized_linear`); their float32 copies are exactly what those blocks hold.
 
 Reading a GGUF is slow in Python (SmolLM2's: 5.6 s, most of it the gguf reader walking the
 header's 49k-token vocabulary field by field, the rest dequantising), and every worker did it
 on start. So the first load of a file also writes its result to the disk cache
-(`shared.disk_cache`, `models/<name>-<key>/weights-v1/`: safetensors and the config as JSON), and
+(`shared.disk_cache`, `models/<name>-<key>/weights-v2/`: safetensors and the config as JSON), and
 later loads of the same unchanged file read that instead, in about a second.
 """
 
@@ -27,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from kernels.quantized_linear import QuantizedWeight
 from shared.disk_cache import derived_folder, load_or_build
 from shared.model.config import ModelConfig
 
@@ -52,8 +56,12 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# the block formats kept beside the float32 weights (GGML's type names, as the kernels spell them)
+_KEPT_BLOCK_FORMATS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 # the disk cache's entry: bump the version when what _load_gguf returns changes
-_GGUF_CACHE_ENTRY = "weights-v1"
+_GGUF_CACHE_ENTRY = "weights-v2"
+# where the cache's safetensors file keeps a kept block tensor: this prefix, its format, its name
+_QUANTIZED_KEY_PREFIX = "quantized."
 # beyond this the float32 copy on disk costs more than re-reading the file saves
 MAX_CACHED_WEIGHT_BYTES = 16 * 2**30
 
@@ -67,6 +75,8 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     path: Path
+    # a GGUF's Q4_1 / Q8_0 matrices in their own format, named as in `weights`; empty otherwise
+    quantized: dict[str, QuantizedWeight] = dataclasses.field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -91,14 +101,12 @@ def load_model(path: str | Path | None, disk_cache: bool = True) -> LoadedModel:
     """`disk_cache`: read a GGUF's converted weights from the disk cache, writing them on first load."""
     resolved = resolve_model_path(path)
     if resolved.is_file() and resolved.suffix == ".gguf":
-        config, weights = _load_gguf_cached(resolved) if disk_cache else _load_gguf(resolved)
-    elif resolved.is_dir() and (resolved / "config.json").exists():
+        gguf = _load_gguf_cached(resolved) if disk_cache else _load_gguf(resolved)
+        return LoadedModel(config=gguf.config, weights=gguf.weights, path=resolved, quantized=gguf.quantized)
+    if resolved.is_dir() and (resolved / "config.json").exists():
         config, weights = _load_hf_folder(resolved)
-    else:
-        raise ModelNotFoundError(
-            f"model path {str(resolved)!r} is neither a .gguf file nor a folder with config.json"
-        )
-    return LoadedModel(config=config, weights=weights, path=resolved)
+        return LoadedModel(config=config, weights=weights, path=resolved)
+    raise ModelNotFoundError(f"model path {str(resolved)!r} is neither a .gguf file nor a folder with config.json")
 
 
 def gguf_metadata(reader: object) -> dict[str, object]:
@@ -121,7 +129,14 @@ def gguf_metadata(reader: object) -> dict[str, object]:
     return meta
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+@dataclass(slots=True)
+class _GGUFWeights:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    quantized: dict[str, QuantizedWeight]
+
+
+def _load_gguf(path: Path) -> _GGUFWeights:
     from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(str(path))
@@ -131,22 +146,30 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         meta, has_output_weight="output.weight" in names, has_qkv_bias="blk.0.attn_q.bias" in names
     )
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     for tensor in _progress(reader.tensors, f"loading {path.name}"):
         array = dequantize(tensor.data, tensor.tensor_type)
         if tensor.name == "rope_freqs.weight":
             config = _with_rope_freq_factors(config, array)
             continue
         hf_name = _gguf_to_hf_name(tensor.name)
+        blocks = tensor.data if tensor.tensor_type.name in _KEPT_BLOCK_FORMATS and array.ndim == 2 else None
         if config.architecture == "llama" and re.search(r"\.attn_[qk]\.", tensor.name):
-            is_key = ".attn_k." in tensor.name
-            array = _unpermute_rotary_rows(array, config.num_kv_heads if is_key else config.num_heads)
+            num_heads = config.num_kv_heads if ".attn_k." in tensor.name else config.num_heads
+            array = _unpermute_rotary_rows(array, num_heads)
+            # a row of blocks is one output row, so the same permutation of rows applies
+            blocks = None if blocks is None else _unpermute_rotary_rows(blocks, num_heads)
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy
-    return config, weights
+        if blocks is not None:
+            quantized[hf_name] = QuantizedWeight(
+                _KEPT_BLOCK_FORMATS[tensor.tensor_type.name], torch.from_numpy(np.array(blocks)), array.shape[1]
+            )
+    return _GGUFWeights(config, weights, quantized)
 
 
-def _load_gguf_cached(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    def small_enough(loaded: tuple[ModelConfig, dict[str, torch.Tensor]]) -> bool:
-        size = sum(t.numel() * t.element_size() for t in loaded[1].values())
+def _load_gguf_cached(path: Path) -> _GGUFWeights:
+    def small_enough(loaded: _GGUFWeights) -> bool:
+        size = sum(t.numel() * t.element_size() for t in loaded.weights.values())
         if size > MAX_CACHED_WEIGHT_BYTES:
             logger.info("not caching %s: %.3g GiB of float32 weights is over the cap of %.3g GiB",
                         path.name, size / 2**30, MAX_CACHED_WEIGHT_BYTES / 2**30)
@@ -158,16 +181,24 @@ def _load_gguf_cached(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     )
 
 
-def _write_converted(loaded: tuple[ModelConfig, dict[str, torch.Tensor]], folder: Path) -> None:
-    config, weights = loaded
-    save_file(weights, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+def _write_converted(loaded: _GGUFWeights, folder: Path) -> None:
+    blocks = {f"{_QUANTIZED_KEY_PREFIX}{q.format}.{name}": q.blocks for name, q in loaded.quantized.items()}
+    save_file({**loaded.weights, **blocks}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(loaded.config)))
 
 
-def _read_converted(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _read_converted(folder: Path) -> _GGUFWeights:
     fields = json.loads((folder / "config.json").read_text())
     config = ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
-    return config, load_file(str(folder / "model.safetensors"))
+    weights, blocks = {}, {}
+    for key, tensor in load_file(str(folder / "model.safetensors")).items():
+        if key.startswith(_QUANTIZED_KEY_PREFIX):
+            block_format, name = key.removeprefix(_QUANTIZED_KEY_PREFIX).split(".", 1)
+            blocks[name] = (block_format, tensor)
+        else:
+            weights[key] = tensor
+    quantized = {name: QuantizedWeight(f, t, weights[name].shape[1]) for name, (f, t) in blocks.items()}
+    return _GGUFWeights(config, weights, quantized)
 
 
 def _with_rope_freq_factors(config: ModelConfig, factors: np.ndarray) -> ModelConfig:

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from kernels import _triton, cpu_attention, cpu_build, cpu_layer_ops  # noqa: E402
+from kernels import _triton, cpu_attention, cpu_build, cpu_layer_ops, quantized_linear  # noqa: E402
 from kernels.rms_norm import _rms_norm_kernel  # noqa: E402
 
 if _triton.triton is not None and _triton.is_interpreted(_rms_norm_kernel):
@@ -56,7 +56,7 @@ def without_a_compiler(
     warnings of the attempts are captured in `caplog`."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    loaders = (cpu_attention.load, cpu_layer_ops.load)
+    loaders = (cpu_attention.load, cpu_layer_ops.load, quantized_linear.load)
     for load in loaders:
         load.cache_clear()
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import os
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +12,7 @@ from kernels.paged_attention import (
     paged_attention_ref,
     paged_attention_triton,
 )
+from tests.kernels.c_kernels import require_built
 from tests.kernels.paged_batch import PagedBatch, dense_causal_attention, make_paged_batch
 
 # (seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size)
@@ -90,10 +89,7 @@ def test_split_decode_equals_single_partition_decode(triton_device: str) -> None
 @pytest.fixture
 def cpu_kernel() -> None:
     """The C kernel must build wherever a compiler exists; without one the reference runs."""
-    if cpu_attention.load() is None:
-        if shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"):
-            pytest.fail("a C compiler is present but the CPU attention kernel did not build; see the logged warning")
-        pytest.skip("no C compiler: the CPU attention kernel cannot be built here")
+    require_built(cpu_attention.load, "the CPU attention kernel")
 
 
 # head_dim 80 takes the kernel's generic path; 64 and 128 its specialised ones

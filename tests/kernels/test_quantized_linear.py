@@ -1,0 +1,149 @@
+"""Linear layers over GGUF blocks (kernels/csrc/quantized_linear.c) against their PyTorch reference,
+the reference against gguf's own dequantiser, and the model's use of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import dequantize as gguf_dequantize
+
+from kernels import quantized_linear as qlin
+from kernels.quantized_linear import QuantizedWeight, dequantize, quantized_linear, quantized_linear_ref
+from shared.model import linear as linear_module
+from shared.model.linear import QUANTIZED_MAX_ROWS, Linear
+from shared.model.llama import LlamaModel
+from shared.model.loader import LoadedModel
+from tests.kernels.c_kernels import require_built
+
+GGML_TYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+FORMATS = list(GGML_TYPES)
+
+
+@pytest.fixture
+def built() -> None:
+    """For the tests that call the kernel (the fallback test runs without it)."""
+    require_built(qlin.load, "the quantized linear kernel")
+
+
+def random_blocks(block_format: str, rows: int, in_features: int, seed: int) -> QuantizedWeight:
+    """Blocks as a quantiser writes them: random codes, and scales (and Q4_1 minimums) of a
+    trained layer's size stored as fp16, a few of them subnormal or negative."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = rows * in_features // qlin.BLOCK
+    scales = (torch.rand(num_blocks, 1, generator=gen) * 0.02).half()
+    scales[::7] = -scales[::7]
+    scales[3::11] = torch.tensor(3e-6, dtype=torch.float16)  # subnormal in fp16
+    codes = torch.randint(0, 256, (num_blocks, qlin.BLOCK_BYTES[block_format] - 2 - 2 * (block_format == "q4_1")),
+                          dtype=torch.uint8, generator=gen)
+    parts = [scales.view(torch.uint8)]
+    if block_format == "q4_1":
+        parts.append((torch.randn(num_blocks, 1, generator=gen) * 0.05).half().view(torch.uint8))
+    blocks = torch.cat([*parts, codes], dim=1).reshape(rows, -1).contiguous()
+    return QuantizedWeight(block_format, blocks, in_features)
+
+
+@pytest.mark.parametrize("block_format", FORMATS)
+def test_dequantize_is_bitwise_ggufs_dequantiser(block_format: str) -> None:
+    weight = random_blocks(block_format, 24, 96, seed=1)
+    expected = gguf_dequantize(weight.blocks.numpy(), GGML_TYPES[block_format])
+    assert torch.equal(dequantize(weight), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
+
+
+# rows: every tile height (1-4) and a remainder after full tiles; 7 output rows leave one
+# row of weights over, which the plain loop takes; the bias is optional
+@pytest.mark.parametrize("block_format", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_the_reference(block_format: str, rows: int, with_bias: bool, built: None) -> None:
+    weight = random_blocks(block_format, 7, 160, seed=rows)
+    gen = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, 160, generator=gen)
+    bias = torch.randn(7, generator=gen) if with_bias else None
+    out = quantized_linear(x, weight, bias)
+    # the same float32 products summed in another order
+    torch.testing.assert_close(out, quantized_linear_ref(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_strided_rows_and_a_model_sized_weight(built: None) -> None:
+    weight = random_blocks("q4_1", 1536, 576, seed=3)
+    x = torch.randn(6, 1000)[:, 100:676]
+    assert x.stride() == (1000, 1)
+    torch.testing.assert_close(quantized_linear(x, weight, None), quantized_linear_ref(x, weight, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "in_features", "message"),
+    [
+        (torch.zeros(4, 40, dtype=torch.uint8), 48, "multiple of 32, got 48"),
+        (torch.zeros(4, 41, dtype=torch.uint8), 64, r"uint8 \[rows, 40\], got torch.uint8 \[4, 41\]"),
+        (torch.zeros(4, 40, dtype=torch.int8), 64, r"uint8 \[rows, 40\], got torch.int8"),
+        (torch.zeros(40, 4, dtype=torch.uint8).t(), 64, r"contiguous uint8 \[rows, 40\]"),
+    ],
+)
+def test_malformed_blocks_are_refused_naming_the_problem(blocks: torch.Tensor, in_features: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        QuantizedWeight("q4_1", blocks, in_features)
+
+
+def test_unknown_formats_and_mixed_stacks_are_refused() -> None:
+    with pytest.raises(ValueError, match="'q4_k' is not one of"):
+        QuantizedWeight("q4_k", torch.zeros(1, 20, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="cannot stack weights of formats"):
+        QuantizedWeight.stack([random_blocks("q4_1", 2, 32, seed=0), random_blocks("q8_0", 2, 32, seed=0)])
+
+
+def test_inputs_the_kernel_cannot_read_are_refused(built: None) -> None:
+    weight = random_blocks("q8_0", 4, 64, seed=0)
+    for x in (torch.randn(2, 64, dtype=torch.float64), torch.randn(2, 32), torch.randn(64, 2).t(), torch.randn(64)):
+        with pytest.raises(ValueError, match=r"takes float32 \[rows, 64\] with a contiguous last dim"):
+            quantized_linear(x, weight, None)
+
+
+def test_linear_sends_small_products_to_the_blocks_and_large_ones_to_the_float32_weight(
+    built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = random_blocks("q4_1", 64, 128, seed=5)
+    layer = Linear(dequantize(weight), None, pack=False, quantized=weight)
+    calls = []
+    monkeypatch.setattr(qlin, "quantized_linear", lambda *args: calls.append(args) or quantized_linear(*args))
+    for rows in (1, QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS + 1):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(layer(x), quantized_linear_ref(x, weight, None), atol=1e-5, rtol=1e-5)
+    assert [args[0].shape[0] for args in calls] == [1, QUANTIZED_MAX_ROWS]
+    with pytest.raises(ValueError, match=r"must have its shape \[64, 96\], got \[64, 128\]"):
+        Linear(torch.zeros(64, 96), None, pack=False, quantized=weight)
+
+
+def test_the_default_models_blocks_are_its_float32_weights(loaded_model: LoadedModel) -> None:
+    """Every kept block tensor widens to exactly the float32 weight loaded beside it (the q and k
+    rows unpermuted alike), so the kernel computes with the model's own weights."""
+    formats = {q.format for q in loaded_model.quantized.values()}
+    assert formats == {"q4_1", "q8_0"}
+    assert len(loaded_model.quantized) == 30 * 7 + 1
+    for name, weight in loaded_model.quantized.items():
+        assert torch.equal(dequantize(weight), loaded_model.weights[name]), name
+
+
+def test_the_model_runs_every_linear_layer_from_blocks_in_float32_on_the_cpu(
+    loaded_model: LoadedModel, built: None
+) -> None:
+    model = LlamaModel(loaded_model.config, loaded_model.weights, torch.float32, torch.device("cpu"),
+                       loaded_model.quantized)
+    layers = [model.lm_head] + [lin for w in model.layers for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
+    assert all(lin.quantized is not None for lin in layers)
+    assert model.lm_head.quantized.format == "q8_0"
+    x = torch.randn(2, loaded_model.config.hidden_size)
+    qkv = model.layers[0].qkv_proj
+    torch.testing.assert_close(qkv(x), quantized_linear_ref(x, qkv.quantized, None), atol=1e-5, rtol=1e-5)
+    bf16 = LlamaModel(loaded_model.config, loaded_model.weights, torch.bfloat16, torch.device("cpu"),
+                      loaded_model.quantized)
+    assert bf16.lm_head.quantized is None  # the kernel computes in float32 only
+
+
+def test_without_a_compiler_the_float32_weights_run(without_a_compiler: None, caplog: pytest.LogCaptureFixture) -> None:
+    assert qlin.load() is None
+    assert not linear_module.quantized_kernel_available(torch.float32, torch.device("cpu"))
+    assert "GGUF blocks" in caplog.text and "no-such-cc" in caplog.text
