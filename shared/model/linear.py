@@ -29,7 +29,7 @@ from kernels import quantized_linear as block_kernel
 from kernels.quantized_linear import QuantizedWeight
 
 # the most rows a product sends to the block kernel (measured on a 2-core AVX2 EPYC: see docs/kernels.md)
-QUANTIZED_MAX_ROWS = 8
+QUANTIZED_MAX_ROWS = 16
 
 
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
