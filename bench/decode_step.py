@@ -1,17 +1,20 @@
 """Decode step time against batch size, and where the time goes.
 
-    python -m bench.decode_step [--dtype auto] [--batch-sizes 1,16,64] [--context 256]
+    python -m bench.decode_step [--dtype auto] [--batch-sizes 1,16,64] [--context 256] [--float32-linears]
 
 For each batch size: prefill that many random prompts of `--context` tokens, then time decode
 steps (best of 5) and print tokens/s, and the share of a step in each of its phases (the
 profiler ranges Engine.step names: scheduling, input preparation, the layers, the LM head,
 sampling, the scheduler's update), and so the share outside the model's own operators. For the
-largest batch, print the torch profiler's top operators by self CPU time.
+largest batch, print the torch profiler's top operators by self CPU time. `--float32-linears`
+drops the GGUF's block copies of the weights, so every linear layer runs on the float32 ones
+(the step as it was before `kernels.quantized_linear`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 
@@ -63,8 +66,12 @@ def main() -> None:
                         help="auto: bfloat16 on CPUs with native bf16, else float32 (as the workers choose)")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--float32-linears", action="store_true",
+                        help="ignore the GGUF's Q4_1/Q8_0 blocks: every product reads the float32 weights")
     args = parser.parse_args()
     loaded = load_model(None)
+    if args.float32_linears:
+        loaded = dataclasses.replace(loaded, quantized={})
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     short = {phase: phase.removeprefix("llmd::") for phase in STEP_PHASES}
     print(f"| batch | step ms | tokens/s | {' | '.join(short.values())} | outside the model |")
