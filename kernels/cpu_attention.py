@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import CSRC, load_library
+from kernels.cpu_build import CSRC, load_functions, profiled
 
 SOURCE = CSRC / "paged_decode_attention.c"
 # -ffast-math lets gcc vectorise the reductions and call glibc's vector expf; the kernel has
@@ -25,7 +25,7 @@ _ARGTYPES = [
     _PTR, _INT64, _INT64, _INT64,  # k_cache, strides (block, token, head)
     _PTR, _INT64, _INT64, _INT64,  # v_cache, strides (block, token, head)
     _PTR, _INT64, _PTR,  # block_tables, its row stride, seq_lens
-    _INT32, _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, heads, kv heads, head_dim, block_size, max len
+    _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, heads, kv heads, head_dim, block_size
     ctypes.c_float, _INT32,  # scale, dtype code
 ]
 # the kernel's dtype codes; it computes in float32 for both
@@ -38,11 +38,7 @@ MAX_HEAD_DIM = 256
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None (logged once) where it cannot be built."""
-    lib = load_library(SOURCE, COMPILE_FLAGS, "CPU decode attention")
-    if lib is not None:
-        lib.paged_decode_attention.argtypes = _ARGTYPES
-        lib.paged_decode_attention.restype = ctypes.c_int
-    return lib
+    return load_functions(SOURCE, COMPILE_FLAGS, "CPU decode attention", {"paged_decode_attention": _ARGTYPES})
 
 
 def _unsupported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -83,24 +79,22 @@ def paged_decode_attention(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
     seq_lens = seq_lens.contiguous()
-    max_seq_len = int(seq_lens.max())
-    if int(seq_lens.min()) < 1:
-        raise ValueError(
-            f"every decode request needs at least one token in the cache, got seq_lens {seq_lens.tolist()}"
-        )
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {cache.stride()}")
-    with torch.profiler.record_function("llmd::paged_decode_attention"):
+    with profiled("llmd::paged_decode_attention"):
         failed = lib.paged_decode_attention(
             out.data_ptr(), out.stride(0), out.stride(1),
             q.data_ptr(), q.stride(0), q.stride(1),
             k_cache.data_ptr(), *k_cache.stride()[:3],
             v_cache.data_ptr(), *v_cache.stride()[:3],
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-            num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], max_seq_len, scale,
-            DTYPE_CODES[q.dtype],
+            num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, DTYPE_CODES[q.dtype],
+        )
+    if failed == 3:
+        raise ValueError(
+            f"every decode request needs at least one token in the cache, got seq_lens {seq_lens.tolist()}"
         )
     if failed:  # 2 (arguments it does not take) is ruled out above
-        raise MemoryError(f"the CPU decode attention kernel could not allocate scratch for {max_seq_len} keys")
+        raise MemoryError(f"the CPU decode attention kernel could not allocate scratch for {int(seq_lens.max())} keys")
     return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import CSRC, load_functions
+from kernels.cpu_build import CSRC, load_functions, profiled
 
 SOURCE = CSRC / "quantized_linear.c"
 COMPILE_FLAGS = ()
@@ -111,8 +111,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         )
     rows, out_features = x.shape[0], weight.blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    lib.quantized_linear(
-        out.data_ptr(), out_features, x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
-        None if bias is None else bias.data_ptr(), rows, out_features, weight.in_features, FORMAT_CODES[weight.format],
-    )
+    with profiled("llmd::quantized_linear"):
+        lib.quantized_linear(
+            out.data_ptr(), out_features, x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
+            None if bias is None else bias.data_ptr(), rows, out_features, weight.in_features,
+            FORMAT_CODES[weight.format],
+        )
     return out

@@ -312,7 +312,10 @@ SPECIALISE(attend_bf16_128, 128, 1)
 SPECIALISE(attend_bf16_any, a->head_dim, 1)
 
 /* dtype 0: float32, 1: bfloat16. Returns 0; 1 when a thread could not allocate its scratch
- * (nothing is then computed); 2 for a head_dim or block_size the kernel does not take. */
+ * (nothing is then computed); 2 for a head_dim or block_size the kernel does not take; 3 when
+ * a request has no token in the cache (nothing computed). The longest length is found here,
+ * not by the caller: two reductions over a tensor cost the Python side more than this call's
+ * work at batch 1. */
 int paged_decode_attention(
     void *out, int64_t out_stride_r, int64_t out_stride_h,
     const void *q, int64_t q_stride_r, int64_t q_stride_h,
@@ -320,10 +323,16 @@ int paged_decode_attention(
     const void *v_cache, int64_t vc_stride_b, int64_t vc_stride_t, int64_t vc_stride_h,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     int32_t num_reqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    int32_t max_seq_len, float scale, int32_t dtype)
+    float scale, int32_t dtype)
 {
     if (head_dim % TILE != 0 || head_dim > MAX_HEAD_DIM || block_size % TILE != 0)
         return 2;
+    int32_t max_seq_len = 0;
+    for (int32_t r = 0; r < num_reqs; r++) {
+        if (seq_lens[r] < 1)
+            return 3;
+        max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
+    }
     const DecodeArgs args = {
         out, out_stride_r, out_stride_h, q, q_stride_r, q_stride_h,
         k_cache, kc_stride_b, kc_stride_t, kc_stride_h, v_cache, vc_stride_b, vc_stride_t, vc_stride_h,

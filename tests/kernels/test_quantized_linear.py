@@ -3,6 +3,8 @@ the reference against gguf's own dequantiser, and the model's use of them."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf import dequantize as gguf_dequantize
 
 from kernels import quantized_linear as qlin
+from kernels.cpu_build import profiled
 from kernels.quantized_linear import QuantizedWeight, dequantize, quantized_linear, quantized_linear_ref
 from shared.model import linear as linear_module
 from shared.model.linear import QUANTIZED_MAX_ROWS, Linear
@@ -147,3 +150,14 @@ def test_without_a_compiler_the_float32_weights_run(without_a_compiler: None, ca
     assert qlin.load() is None
     assert not linear_module.quantized_kernel_available(torch.float32, torch.device("cpu"))
     assert "GGUF blocks" in caplog.text and "no-such-cc" in caplog.text
+
+
+def test_calls_show_in_the_profiler_only_while_it_records(built: None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    weight = random_blocks("q8_0", 4, 64, seed=0)
+    x = torch.randn(1, 64)
+    assert isinstance(profiled("llmd::quantized_linear"), contextlib.nullcontext)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        quantized_linear(x, weight, None)
+    assert "llmd::quantized_linear" in {event.key for event in prof.key_averages()}
