@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-threads", type=int,
                         help="torch threads of each decode worker (default: the machine's cores split evenly over "
                              "the workers); more than that share cores with the prefill workers when they are busy")
+    parser.add_argument("--prefill-threads", type=int,
+                        help="torch threads of each prefill worker (default as for --decode-threads)")
     parser.add_argument("--llama-server", type=Path, help="path of llama.cpp's llama-server binary")
     parser.add_argument("--url", action="append", default=[], metavar="LABEL=URL", help="a running server")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -90,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
 
     documents: dict[str, dict[str, Any]] = {}
     config = stack_config({}, num_prefill=args.prefill, num_decode=args.decode)
-    if args.decode_threads is not None:
-        config.role_env["decode"] = {"LLMD_TORCH_THREADS": str(args.decode_threads)}
+    role_threads = {"prefill": args.prefill_threads, "decode": args.decode_threads}
+    for role, count in role_threads.items():
+        if count is not None:
+            config.role_env[role] = {"LLMD_TORCH_THREADS": str(count)}
     with Stack(config) as stack:
         assert stack.base_url is not None
-        threads = "" if args.decode_threads is None else f", {args.decode_threads} decode threads"
+        threads = "".join(f", {count} {role} threads" for role, count in role_threads.items() if count is not None)
         label = f"this stack ({args.prefill}P+{args.decode}D{threads})"
         documents[label] = _measure(label, stack.base_url, requests, warmups, load, args.workload)
     if args.llama_server is not None:
