@@ -100,7 +100,11 @@ def test_a_gguf_model_is_converted_once_and_read_back_identical(
 ) -> None:
     fresh = loader.load_model(model_path, disk_cache=False)
     assert not cache_home.exists()
+    superseded = derived_folder("models", Path(model_path), "weights-v1")
+    superseded.mkdir(parents=True)
+    (superseded / "model.safetensors").write_bytes(b"an older format")
     first = loader.load_model(model_path)
+    assert not superseded.exists()
     monkeypatch.setattr(loader, "_load_gguf", lambda path: pytest.fail(f"{path} converted again"))
     cached = loader.load_model(model_path)
     for loaded in (first, cached):

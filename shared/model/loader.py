@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,10 +176,21 @@ def _load_gguf_cached(path: Path) -> _GGUFWeights:
                         path.name, size / 2**30, MAX_CACHED_WEIGHT_BYTES / 2**30)
         return size <= MAX_CACHED_WEIGHT_BYTES
 
+    folder = derived_folder("models", path, _GGUF_CACHE_ENTRY)
+    _remove_superseded(folder)
     return load_or_build(
-        derived_folder("models", path, _GGUF_CACHE_ENTRY), _read_converted, lambda: _load_gguf(path),
+        folder, _read_converted, lambda: _load_gguf(path),
         _write_converted, (OSError, ValueError, TypeError, KeyError, SafetensorError), keep=small_enough,
     )
+
+
+def _remove_superseded(folder: Path) -> None:
+    """Delete the entries an older format of `folder` left beside it (hundreds of MB each)."""
+    prefix = folder.name.rsplit("-v", 1)[0] + "-v"
+    for old in folder.parent.glob(prefix + "*"):
+        if old.name != folder.name and old.is_dir():
+            logger.info("removing %s, superseded by %s", old, folder.name)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_converted(loaded: _GGUFWeights, folder: Path) -> None:
