@@ -12,16 +12,19 @@
  * in -128..127, exact. Only the order of the sums differs from a float32 GEMM (rounding,
  * about 1e-6 relative).
  *
- * Tiles of up to ROWS_X rows of x by ROWS_W rows of W, 8 lanes along K: each step widens
- * ROWS_W weight vectors and does rows_x * ROWS_W fused multiply-adds, within AVX2's 16
- * registers (4 x 2 beat 3 x 2 on a 2-core EPYC; wider tiles spill). Each row of W is widened
- * once per tile of x, so the arithmetic grows with the batch while the bytes do not: on that
- * machine this beats oneDNN's float32 product up to about 20 rows of x and loses beyond.
- * Rows of W are split between torch's OpenMP threads, each streaming a contiguous range.
+ * Up to ROWS_X rows of x: tiles of those rows by ROWS_W rows of W, 8 lanes along K; each step
+ * widens ROWS_W weight vectors in registers and does rows_x * ROWS_W fused multiply-adds,
+ * within AVX2's 16 registers (4 x 2 beat 3 x 2 on a 2-core EPYC; wider tiles spill). More rows
+ * of x: each pair of W rows is widened once into a per-thread scratch (L1-sized for the model's
+ * K), which tiles of up to WIDE_ROWS_X rows of x then read: two loads and 12 fused
+ * multiply-adds a step. Either way the arithmetic grows with the batch while the bytes do not,
+ * so past about 24 rows of x, where both are bound by arithmetic, oneDNN's float32 product
+ * is faster. Rows of W are split between torch's OpenMP threads, each streaming a contiguous range.
  * Without AVX2 and F16C a plain C loop does the same arithmetic. Built and loaded by
  * kernels/quantized_linear.py.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -36,6 +39,7 @@
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 #define ROWS_X 4
 #define ROWS_W 2
+#define WIDE_ROWS_X 6
 #define PREFETCH_BYTES 1024
 
 static inline float half_to_float(const uint8_t *p)
@@ -114,6 +118,20 @@ static inline __m128 block_halves(const uint8_t *block)
     return _mm_cvtph_ps(_mm_cvtsi32_si128(both));
 }
 
+/* Weights 8 * part .. 8 * part + 7 of a block whose scale is d (and minimum m, for Q4_1). */
+static inline __attribute__((always_inline)) __m256 widen_part(const uint8_t *block, int part, __m256 d, __m256 m,
+                                                               const int format)
+{
+    if (format == FORMAT_Q4_1) {
+        /* parts 0, 1: low nibbles of bytes 0-7, 8-15; parts 2, 3: their high nibbles */
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4 + (part & 1) * 8)));
+        const __m256i q = part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
+        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+    }
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + part * 8)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+}
+
 /* out[rows_x, ROWS_W] for one pair of weight rows; rows_x is a compile-time constant
  * after inlining, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile_avx2(
@@ -129,7 +147,6 @@ static inline __attribute__((always_inline)) void tile_avx2(
         for (int r = 0; r < ROWS_W; r++)
             for (int c = 0; c < chains; c++)
                 acc[i][r][c] = _mm256_setzero_ps();
-    const __m256i low_nibbles = _mm256_set1_epi32(0x0f);
     const int block_bytes = format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
     for (int32_t b = 0; b < K / BLOCK; b++) {
         const uint8_t *block[ROWS_W];
@@ -145,18 +162,8 @@ static inline __attribute__((always_inline)) void tile_avx2(
         }
         for (int part = 0; part < BLOCK / 8; part++) {
             __m256 wv[ROWS_W];
-            for (int r = 0; r < ROWS_W; r++) {
-                __m256i q;
-                if (format == FORMAT_Q4_1) {
-                    /* parts 0, 1: low nibbles of bytes 0-7, 8-15; parts 2, 3: their high nibbles */
-                    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block[r] + 4 + (part & 1) * 8)));
-                    q = part < 2 ? _mm256_and_si256(bytes, low_nibbles) : _mm256_srli_epi32(bytes, 4);
-                    wv[r] = _mm256_fmadd_ps(d[r], _mm256_cvtepi32_ps(q), m[r]);
-                } else {
-                    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block[r] + 2 + part * 8)));
-                    wv[r] = _mm256_mul_ps(d[r], _mm256_cvtepi32_ps(q));
-                }
-            }
+            for (int r = 0; r < ROWS_W; r++)
+                wv[r] = widen_part(block[r], part, d[r], format == FORMAT_Q4_1 ? m[r] : d[r], format);
             for (int i = 0; i < rows_x; i++) {
                 const __m256 xv = _mm256_loadu_ps(x + i * x_stride + b * BLOCK + part * 8);
                 for (int r = 0; r < ROWS_W; r++)
@@ -190,11 +197,103 @@ static const TileFn TILES[2][ROWS_X] = {
     {q4_1_x1, q4_1_x2, q4_1_x3, q4_1_x4},
     {q8_0_x1, q8_0_x2, q8_0_x3, q8_0_x4},
 };
+
+/* Rows w, w + row_bytes widened into wide [ROWS_W, K] once, for batches of more than ROWS_X rows. */
+static void widen_rows(const uint8_t *w, int64_t row_bytes, int32_t K, const int format, float *restrict wide)
+{
+    const int block_bytes = format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    for (int r = 0; r < ROWS_W; r++)
+        for (int32_t b = 0; b < K / BLOCK; b++) {
+            const uint8_t *block = w + r * row_bytes + (int64_t)b * block_bytes;
+            _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m128 halves = block_halves(block);
+            const __m256 d = _mm256_broadcastss_ps(halves), m = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
+            for (int part = 0; part < BLOCK / 8; part++)
+                _mm256_storeu_ps(wide + (int64_t)r * K + b * BLOCK + part * 8,
+                                 format == FORMAT_Q4_1 ? widen_part(block, part, d, m, FORMAT_Q4_1)
+                                                       : widen_part(block, part, d, d, FORMAT_Q8_0));
+        }
+}
+
+/* out[rows_x, ROWS_W] from two widened rows: two loads and 2 * rows_x fused multiply-adds a
+ * step, where the register-widening tile does two widenings and 2 * ROWS_X. */
+static inline __attribute__((always_inline)) void tile_widened(
+    float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *wide, const float *bias,
+    const int rows_x, int32_t K)
+{
+    __m256 acc[WIDE_ROWS_X][ROWS_W];
+    for (int i = 0; i < rows_x; i++)
+        for (int r = 0; r < ROWS_W; r++)
+            acc[i][r] = _mm256_setzero_ps();
+    for (int32_t k = 0; k < K; k += 8) {
+        __m256 wv[ROWS_W];
+        for (int r = 0; r < ROWS_W; r++)
+            wv[r] = _mm256_loadu_ps(wide + (int64_t)r * K + k);
+        for (int i = 0; i < rows_x; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * x_stride + k);
+            for (int r = 0; r < ROWS_W; r++)
+                acc[i][r] = _mm256_fmadd_ps(wv[r], xv, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < rows_x; i++)
+        for (int r = 0; r < ROWS_W; r++)
+            out[i * out_stride + r] = sum_lanes(acc[i][r]) + (bias ? bias[r] : 0.0f);
+}
+
+#define SPECIALISE_WIDENED(name, rows_x)                                                                       \
+    static void name(float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *wide,     \
+                     const float *bias, int32_t K)                                                            \
+    {                                                                                                          \
+        tile_widened(out, out_stride, x, x_stride, wide, bias, rows_x, K);                                     \
+    }
+SPECIALISE_WIDENED(widened_x1, 1)
+SPECIALISE_WIDENED(widened_x2, 2)
+SPECIALISE_WIDENED(widened_x3, 3)
+SPECIALISE_WIDENED(widened_x4, 4)
+SPECIALISE_WIDENED(widened_x5, 5)
+SPECIALISE_WIDENED(widened_x6, 6)
+
+typedef void (*WidenedTileFn)(float *, int64_t, const float *, int64_t, const float *, const float *, int32_t);
+static const WidenedTileFn WIDENED_TILES[WIDE_ROWS_X] = {
+    widened_x1, widened_x2, widened_x3, widened_x4, widened_x5, widened_x6,
+};
 #endif
 
+/* A pair of weight rows against all of x: widened in registers per tile of up to ROWS_X rows,
+ * or, for more rows than that (when `wide` is given), widened into `wide` once and read from
+ * there by tiles of up to WIDE_ROWS_X rows. */
+static void pair_of_rows(float *out, int64_t out_stride, const float *x, int64_t x_stride, const uint8_t *w,
+                         int64_t row_bytes, const float *bias, int32_t M, int32_t rows_w, int32_t K, int format,
+                         float *wide)
+{
+#ifdef HAVE_AVX2
+    if (rows_w == ROWS_W && wide != NULL) {
+        widen_rows(w, row_bytes, K, format, wide);
+        for (int32_t i = 0; i < M; i += WIDE_ROWS_X) {
+            const int32_t rows_x = M - i < WIDE_ROWS_X ? M - i : WIDE_ROWS_X;
+            WIDENED_TILES[rows_x - 1](out + i * out_stride, out_stride, x + i * x_stride, x_stride, wide, bias, K);
+        }
+        return;
+    }
+#endif
+    for (int32_t i = 0; i < M; i += ROWS_X) {
+        const int32_t rows_x = M - i < ROWS_X ? M - i : ROWS_X;
+#ifdef HAVE_AVX2
+        if (rows_w == ROWS_W) {
+            TILES[format][rows_x - 1](out + i * out_stride, out_stride, x + i * x_stride, x_stride, w, row_bytes,
+                                      bias, K);
+            continue;
+        }
+#endif
+        tile_plain(out + i * out_stride, out_stride, x + i * x_stride, x_stride, w, row_bytes, bias, rows_x, rows_w,
+                   K, format);
+    }
+}
+
 /* out [M, N] (row stride out_stride) = x [M, K] (row stride x_stride) W^T + bias, W [N, K]
- * as N rows of K / 32 blocks. format 0: Q4_1, 1: Q8_0. bias may be NULL. Returns 0, or 2
- * for arguments it does not take (K not a multiple of 32, an unknown format). */
+ * as N rows of K / 32 blocks. format 0: Q4_1, 1: Q8_0. bias may be NULL. Returns 0; 1 when
+ * a thread could not allocate its scratch (nothing is then computed); 2 for arguments it does
+ * not take (K not a multiple of 32, an unknown format). */
 int quantized_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, const uint8_t *w,
                      const float *bias, int32_t M, int32_t N, int32_t K, int32_t format)
 {
@@ -202,22 +301,25 @@ int quantized_linear(float *out, int64_t out_stride, const float *x, int64_t x_s
         return 2;
     const int64_t row_bytes = (int64_t)(K / BLOCK) * (format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
     const int32_t pairs = (N + ROWS_W - 1) / ROWS_W;
-#pragma omp parallel for schedule(static)
-    for (int32_t p = 0; p < pairs; p++) {
-        const int32_t n = p * ROWS_W, rows_w = N - n < ROWS_W ? N - n : ROWS_W;
-        const float *b = bias ? bias + n : NULL;
-        for (int32_t i = 0; i < M; i += ROWS_X) {
-            const int32_t rows_x = M - i < ROWS_X ? M - i : ROWS_X;
-#ifdef HAVE_AVX2
-            if (rows_w == ROWS_W) {
-                TILES[format][rows_x - 1](out + i * out_stride + n, out_stride, x + i * x_stride, x_stride,
-                                          w + n * row_bytes, row_bytes, b, K);
-                continue;
-            }
-#endif
-            tile_plain(out + i * out_stride + n, out_stride, x + i * x_stride, x_stride, w + n * row_bytes, row_bytes,
-                       b, rows_x, rows_w, K, format);
+    const int widen_once = M > ROWS_X;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *wide = widen_once ? malloc(sizeof(float) * ROWS_W * (size_t)K) : NULL;
+        if (widen_once && wide == NULL) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int32_t p = 0; p < pairs; p++) {
+                const int32_t n = p * ROWS_W, rows_w = N - n < ROWS_W ? N - n : ROWS_W;
+                pair_of_rows(out + n, out_stride, x, x_stride, w + n * row_bytes, row_bytes, bias ? bias + n : NULL,
+                             M, rows_w, K, format, wide);
+            }
+        }
+        free(wide);
     }
-    return 0;
+    return failed;
 }

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from kernels import quantized_linear as block_kernel
 from kernels.quantized_linear import QuantizedWeight
 
-# the most rows a product sends to the block kernel (measured on a 2-core AVX2 EPYC: see docs/kernels.md)
-QUANTIZED_MAX_ROWS = 16
+# the most rows a product sends to the block kernel: about where both products become bound by
+# arithmetic and oneDNN's is as fast (measured on a 2-core AVX2 EPYC: see docs/kernels.md)
+QUANTIZED_MAX_ROWS = 24
 
 
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
