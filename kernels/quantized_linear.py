@@ -112,9 +112,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rows, out_features = x.shape[0], weight.blocks.shape[0]
     out = torch.empty(rows, out_features, dtype=torch.float32)
     with profiled("llmd::quantized_linear"):
-        lib.quantized_linear(
+        failed = lib.quantized_linear(
             out.data_ptr(), out_features, x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
             None if bias is None else bias.data_ptr(), rows, out_features, weight.in_features,
             FORMAT_CODES[weight.format],
         )
+    if failed:  # 2 (arguments it does not take) is ruled out by QuantizedWeight's checks
+        raise MemoryError(f"the quantized linear kernel could not allocate scratch for 2 x {weight.in_features} floats")
     return out
