@@ -163,6 +163,20 @@ static inline __attribute__((always_inline)) const float *tile_rows(
     return scratch;
 }
 
+/* The float32 rows of kv head g's tile at (blk, off) of a cache (see tile_rows), with the
+ * next tile's position there, (nblk, noff), in `*next_rows`: float32 rows to prefetch, or NULL
+ * in bf16, where tile_rows prefetches them as it widens. */
+static inline __attribute__((always_inline)) const float *head_tile(
+    const void *cache, int64_t stride_b, int64_t stride_t, int64_t stride_h, const int32_t *table, int32_t blk,
+    int32_t off, int32_t nblk, int32_t noff, int32_t g, int32_t n, const int head_dim, const int bf16,
+    float *restrict scratch, int64_t *row_stride, const float **next_rows)
+{
+    const int64_t next = tile_at(table, nblk, noff, stride_b, stride_t, stride_h, g);
+    *next_rows = bf16 ? NULL : (const float *)cache + next;
+    return tile_rows(cache, tile_at(table, blk, off, stride_b, stride_t, stride_h, g), next, stride_t, n, head_dim,
+                     bf16, scratch, row_stride);
+}
+
 /* (blk, off) moved on to the next tile of the block table. */
 static inline __attribute__((always_inline)) void next_tile(int32_t *blk, int32_t *off, int32_t bs)
 {
@@ -208,10 +222,9 @@ static inline __attribute__((always_inline)) void attend(
         if (t0 + TILE < len)
             next_tile(&nblk, &noff, bs);
         for (int32_t g = g0; g < g0 + ng; g++) {
-            const int64_t next = tile_at(table, nblk, noff, a->kc_stride_b, a->kc_stride_t, a->kc_stride_h, g);
-            const float *k = tile_rows(a->k_cache, tile_at(table, blk, off, a->kc_stride_b, a->kc_stride_t, a->kc_stride_h, g),
-                                       next, a->kc_stride_t, n, head_dim, bf16, tile, &stride);
-            const float *k_next = bf16 ? NULL : (const float *)a->k_cache + next;
+            const float *k_next;
+            const float *k = head_tile(a->k_cache, a->kc_stride_b, a->kc_stride_t, a->kc_stride_h, table, blk, off, nblk,
+                                       noff, g, n, head_dim, bf16, tile, &stride, &k_next);
             const int first = (g - g0) * group;
             for (int i0 = 0; i0 < TILE; i0 += LANES) {
                 /* keys past the end read the last real one, whose scores are then dropped */
@@ -261,10 +274,9 @@ static inline __attribute__((always_inline)) void attend(
         if (t0 + TILE < len)
             next_tile(&nblk, &noff, bs);
         for (int32_t g = g0; g < g0 + ng; g++) {
-            const int64_t next = tile_at(table, nblk, noff, a->vc_stride_b, a->vc_stride_t, a->vc_stride_h, g);
-            const float *v = tile_rows(a->v_cache, tile_at(table, blk, off, a->vc_stride_b, a->vc_stride_t, a->vc_stride_h, g),
-                                       next, a->vc_stride_t, n, head_dim, bf16, tile, &stride);
-            const float *v_next = bf16 ? NULL : (const float *)a->v_cache + next;
+            const float *v_next;
+            const float *v = head_tile(a->v_cache, a->vc_stride_b, a->vc_stride_t, a->vc_stride_h, table, blk, off, nblk,
+                                       noff, g, n, head_dim, bf16, tile, &stride, &v_next);
             const int first = (g - g0) * group;
             for (int j = first; j < first + group; j++) {
                 const float *p = scores + j * s_stride + t0;
