@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -124,17 +125,43 @@ class ModelRunner:
             logits_indices=(query_start_loc[1:][sampling_rows] - 1).to(device),
         )
 
+    # Both copies run on a helper thread while a step runs. On the CPU they copy through numpy, one
+    # block at a time: a torch op there would start a second OpenMP team in the process, and from
+    # then on libgomp (more threads than CPUs) all but stops spin-waiting between parallel regions,
+    # which made every later decode step 2-3x slower.
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """KV of the given blocks, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] on the CPU."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv_cache.index_select(2, index).movedim(2, 0).contiguous().cpu()
+        if self.device.type != "cpu":
+            index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+            return self.kv_cache.index_select(2, index).movedim(2, 0).contiguous().cpu()
+        out = torch.empty(self._blocks_shape(len(block_ids)), dtype=self.kv_cache.dtype)
+        pool, dst = _bits(self.kv_cache), _bits(out)
+        for i, block in enumerate(block_ids):
+            dst[i] = pool[:, :, block]
+        return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        expected = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        expected = self._blocks_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype).movedim(0, 2))
+        if self.device.type != "cpu" or data.dtype != self.kv_cache.dtype:
+            index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+            self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype).movedim(0, 2))
+            return
+        pool, src = _bits(self.kv_cache), _bits(data)
+        for i, block in enumerate(block_ids):
+            pool[:, :, block] = src[i]
+
+    def _blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+
+
+_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's elements as integers of their width (numpy has no bfloat16)."""
+    return tensor.view(_SAME_WIDTH_INTS[tensor.element_size()]).numpy()
 
 
 def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The KV copies of a handoff (Engine.read_blocks / write_blocks): exact, and, on the CPU, made
+without starting OpenMP threads on the helper thread that runs them while a step goes on."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from shared.engine.engine import Engine
+from shared.model.loader import LoadedModel
+from shared.model.runner import kv_block_bytes
+from shared.settings import EngineSettings, KVCacheSettings, ModelSettings
+
+NUM_BLOCKS = 32
+
+
+def make_engine(loaded: LoadedModel, dtype: str) -> Engine:
+    memory = NUM_BLOCKS * kv_block_bytes(loaded.config, 16, getattr(torch, dtype))
+    settings = EngineSettings(
+        model=ModelSettings(dtype=dtype, device="cpu"),  # type: ignore[arg-type]
+        kv_cache=KVCacheSettings(memory_bytes=memory),
+    )
+    return Engine(settings, loaded)
+
+
+def filled(engine: Engine, seed: int) -> torch.Tensor:
+    pool = engine.runner.kv_cache
+    pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_read_from_one_pool_land_bitwise_in_another(loaded_model: LoadedModel, dtype: str) -> None:
+    source, target = make_engine(loaded_model, dtype), make_engine(loaded_model, dtype)
+    source_pool, target_pool = filled(source, 0), filled(target, 1)
+    before = target_pool.clone()
+    read_ids, write_ids = [5, 2, 9, 30], [1, 7, 3, 12]
+
+    data = source.read_blocks(read_ids)
+
+    assert data.shape == (4, *source_pool.shape[:2], *source_pool.shape[3:])
+    assert torch.equal(data, source_pool[:, :, read_ids].movedim(2, 0))
+    target.write_blocks(write_ids, data)
+    expected = before.clone()
+    expected[:, :, write_ids] = source_pool[:, :, read_ids]
+    assert torch.equal(target_pool, expected)
+
+
+def test_blocks_of_another_dtype_are_converted_on_write(loaded_model: LoadedModel) -> None:
+    source, target = make_engine(loaded_model, "bfloat16"), make_engine(loaded_model, "float32")
+    source_pool = filled(source, 2)
+    target.write_blocks([4, 0], source.read_blocks([6, 8]))
+    assert torch.equal(target.runner.kv_cache[:, :, [4, 0]], source_pool[:, :, [6, 8]].float())
+
+
+def test_a_block_shape_that_does_not_fit_is_refused(loaded_model: LoadedModel) -> None:
+    engine = make_engine(loaded_model, "float32")
+    data = engine.read_blocks([1, 2])
+    with pytest.raises(ValueError, match="KV block data has shape"):
+        engine.write_blocks([1, 2, 3], data)
+
+
+@pytest.fixture
+def two_torch_threads() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def num_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_copies_on_a_helper_thread_start_no_openmp_threads(loaded_model: LoadedModel, two_torch_threads: None) -> None:
+    # a torch copy this size runs in parallel, and the first parallel region a thread enters
+    # starts that thread's own OpenMP team; libgomp then counts more threads than CPUs and
+    # stops spin-waiting, which slows every step of the engine thread
+    source, target = make_engine(loaded_model, "float32"), make_engine(loaded_model, "float32")
+    with ThreadPoolExecutor(max_workers=1) as helper:
+        helper.submit(lambda: None).result()
+        threads_before = num_threads()
+        data = helper.submit(source.read_blocks, list(range(16))).result()
+        helper.submit(target.write_blocks, list(range(16, 32)), data).result()
+        assert num_threads() == threads_before
