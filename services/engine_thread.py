@@ -8,6 +8,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
+from services.cpu_share import ElasticThreads
 from shared.engine.engine import Engine, EngineStats, RequestOutput
 from shared.model.loader import load_model
 from shared.settings import WorkerServiceSettings
@@ -28,6 +31,7 @@ class EngineThread:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine: Engine | None = None
+        self._elastic: ElasticThreads | None = None
         self.stats: EngineStats | None = None
         self.num_steps = 0  # steps that computed something
         self._clock = clock
@@ -49,8 +53,15 @@ class EngineThread:
 
     async def load(self, settings: WorkerServiceSettings) -> Engine:
         self._engine = await self.call(load_engine, settings)
+        if settings.worker.elastic_threads and self._engine.device.type == "cpu":
+            self._elastic = await self.call(lambda: ElasticThreads(torch.get_num_threads()))
         await self.call(lambda: None)  # first stats snapshot
         return self._engine
+
+    @property
+    def torch_threads(self) -> int | None:
+        """The engine's torch threads now, where they follow the free cores (else None)."""
+        return None if self._elastic is None else self._elastic.threads
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
@@ -61,6 +72,8 @@ class EngineThread:
         return await self.call(self._step, then)
 
     def _step(self, then: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
+        if self._elastic is not None:
+            self._elastic.adjust()
         outputs = self.engine.step()
         self._stepped_at = self._clock()
         if then is not None and outputs:

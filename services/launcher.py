@@ -5,8 +5,9 @@ process.
     python -m services.launcher --port 8000 --prefill 1 --decode 1 --model PATH --dtype auto
     python -m services.launcher --prefill 0 --decode 0 --colocated 1
 
-Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID; the CPU cores are shared
-out through LLMD_TORCH_THREADS. Ctrl-C or SIGTERM stops everything: SIGTERM (workers drain),
+Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID. Each worker may use every
+core (LLMD_TORCH_THREADS) and runs on those the others leave free (services/cpu_share.py); with
+LLMD_WORKER__ELASTIC_THREADS=false the cores are divided among the workers instead. Ctrl-C or SIGTERM stops everything: SIGTERM (workers drain),
 a grace period, then SIGKILL; the private Redis goes last. `Stack` is the same as a library,
 for tests and scripts, and can add and stop workers while it runs.
 
@@ -44,8 +45,9 @@ from types import TracebackType
 from typing import Self
 
 import redis
+from pydantic import TypeAdapter
 
-from shared.settings import RedisSettings
+from shared.settings import RedisSettings, WorkerSettings
 from shared.streams import Keys
 
 logger = logging.getLogger("launcher")
@@ -201,7 +203,11 @@ class Stack:
             self._redis_server = RedisServer()
             self.redis_url = self._redis_server.start()
         counts = {"prefill": cfg.num_prefill, "decode": cfg.num_decode, "colocated": cfg.num_colocated}
-        self._torch_threads = max(1, len(os.sched_getaffinity(0)) // max(1, sum(counts.values())))
+        num_cpus = len(os.sched_getaffinity(0))
+        elastic = TypeAdapter(bool).validate_python(
+            {**os.environ, **cfg.env}.get("LLMD_WORKER__ELASTIC_THREADS", WorkerSettings().elastic_threads)
+        )
+        self._torch_threads = num_cpus if elastic else max(1, num_cpus // max(1, sum(counts.values())))
         names = [self.add_worker(role, wait=False) for role, n in counts.items() for _ in range(n)]
         if cfg.gateway:
             port = cfg.port or free_port(cfg.host)

@@ -179,9 +179,11 @@ class Worker:
         engine = await self.engine.load(self.settings)
         stats = self.engine.stats
         assert stats is not None
+        threads = self.engine.torch_threads
         logger.info(
             "engine ready on %s (%s): %d KV blocks of %d tokens, torch threads %s",
-            engine.device, engine.dtype, stats.kv.num_blocks, engine.block_size, self.settings.torch_threads or "default",
+            engine.device, engine.dtype, stats.kv.num_blocks, engine.block_size,
+            self.settings.torch_threads or "default" if threads is None else f"1-{threads}, on the cores left free",
         )
         await with_backoff(self.setup, "creating consumer groups", self.stopped)
         await self._publish_status()

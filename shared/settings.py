@@ -118,6 +118,9 @@ class WorkerSettings(BaseModel):
     handoff_timeout_s: float = Field(10.0, gt=0, description="bound on waiting for the other side of a KV handoff")
     stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
     cpus: str = Field("", description="CPUs the worker runs on, e.g. '0', '0-1' or '0,2'; empty = any")
+    elastic_threads: bool = Field(
+        True, description="on the CPU, run between 1 and the torch threads on the cores other processes leave free"
+    )
 
     @field_validator("cpus")
     @classmethod

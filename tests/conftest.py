@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -36,3 +37,12 @@ def model_path() -> str:
 @pytest.fixture(scope="session")
 def loaded_model(model_path: str) -> LoadedModel:
     return load_model(model_path)
+
+
+@pytest.fixture
+def two_torch_threads() -> Iterator[None]:
+    """torch on 2 intra-op threads for the test, as on the 2-core machines CI runs on."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)

@@ -4,7 +4,6 @@ without starting OpenMP threads on the helper thread that runs them while a step
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -62,14 +61,6 @@ def test_a_block_shape_that_does_not_fit_is_refused(loaded_model: LoadedModel) -
     data = engine.read_blocks([1, 2])
     with pytest.raises(ValueError, match="KV block data has shape"):
         engine.write_blocks([1, 2, 3], data)
-
-
-@pytest.fixture
-def two_torch_threads() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
 
 
 def num_threads() -> int:
