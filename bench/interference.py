@@ -160,7 +160,10 @@ def make_workload(args: argparse.Namespace) -> Workload:
 
 
 def pinned(cpus: str) -> dict[str, str]:
-    return {"LLMD_WORKER__CPUS": cpus, "LLMD_TORCH_THREADS": str(len(parse_cpu_list(cpus)))}
+    """A worker that owns `cpus`: one thread on each, all the time (no sizing to the free cores,
+    which would count the unpinned gateway, Redis and client against it)."""
+    return {"LLMD_WORKER__CPUS": cpus, "LLMD_TORCH_THREADS": str(len(parse_cpu_list(cpus))),
+            "LLMD_WORKER__ELASTIC_THREADS": "false"}  # fmt: skip
 
 
 def mode_config(mode: str, args: argparse.Namespace) -> StackConfig:
