@@ -8,10 +8,14 @@ touching the workers.
 `RedisKVConnector` keeps one hash per transfer under `keys.kv_blob(req_id, attempt)`, so it works
 across hosts with nothing but Redis and TCP:
 
-    header  msgpack {"dtype": "float32", "shape": [n, layers, 2, block_size, kv_heads, head_dim]}
-    data    the tensor's raw bytes in C order (never pickle)
+    header               msgpack {"dtype": "float32", "shape": [n, layers, 2, block_size, kv_heads, head_dim],
+                         "chunks": k}
+    data:0 .. data:k-1   the tensor's raw bytes in C order (never pickle), `chunk_bytes` each but the last
 
-Every blob carries a TTL, so the bytes of a transfer whose reader died do not outlive it.
+The bytes move one chunk per Redis call. A single call for a long prompt's KV (315 MiB at 7k
+tokens in float32) outlasted the client's socket timeout, and it held Redis's one thread, and
+with it every token stream, for as long. Every blob carries a TTL, so the bytes of a transfer
+whose reader died do not outlive it.
 """
 
 from __future__ import annotations
@@ -49,11 +53,23 @@ class KVConnector(ABC):
         """Free the bytes of a finished or abandoned transfer; a missing location is not an error."""
 
 
-def pack_header(tensor: torch.Tensor) -> bytes:
+CHUNK_BYTES = 8 * 2**20
+
+
+def pack_header(tensor: torch.Tensor, num_chunks: int) -> bytes:
     dtype = str(tensor.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise TypeError(f"KV tensors of dtype {tensor.dtype} cannot be transferred")
-    return msgpack.packb({"dtype": dtype, "shape": list(tensor.shape)})
+    return msgpack.packb({"dtype": dtype, "shape": list(tensor.shape), "chunks": num_chunks})
+
+
+def unpack_header(header: bytes) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """(dtype, shape, number of data chunks) of a blob's header."""
+    try:
+        meta = msgpack.unpackb(header)
+        return _DTYPES[meta["dtype"]], tuple(int(d) for d in meta["shape"]), int(meta["chunks"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise KVTransferError(f"malformed KV header: {e!r}") from e
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -62,43 +78,55 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def unpack_tensor(header: bytes, data: bytes) -> torch.Tensor:
-    try:
-        meta = msgpack.unpackb(header)
-        dtype, shape = _DTYPES[meta["dtype"]], tuple(int(d) for d in meta["shape"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise KVTransferError(f"malformed KV header: {e!r}") from e
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if len(data) != expected:
-        raise KVTransferError(f"KV blob holds {len(data)} bytes; {meta['dtype']}{list(shape)} needs {expected}")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    # bytearray: torch.frombuffer needs a writable buffer to hand out a tensor that owns its memory
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
 class RedisKVConnector(KVConnector):
-    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: float, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.chunk_bytes = chunk_bytes
 
     async def put(self, req_id: str, attempt: int, tensor: torch.Tensor) -> str:
         location = self.keys.kv_blob(req_id, attempt)
-        header, data = pack_header(tensor), tensor_bytes(tensor)
-        # one transaction: a blob never exists without its TTL
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(location)
-        pipe.hset(location, mapping={"header": header, "data": data})  # type: ignore[dict-item]
-        pipe.pexpire(location, self.ttl_ms)
-        await pipe.execute()
+        data = tensor_bytes(tensor)
+        chunks = [data[start : start + self.chunk_bytes] for start in range(0, len(data), self.chunk_bytes)]
+        # every call is a transaction that (re)sets the TTL: a blob never exists without one, even
+        # should it expire between two chunks and an HSET create it afresh
+        await self._write(location, {"header": pack_header(tensor, len(chunks))}, replace=True)
+        for i, chunk in enumerate(chunks):
+            await self._write(location, {f"data:{i}": chunk})
         return location
 
+    async def _write(self, location: str, fields: dict[str, bytes | memoryview], replace: bool = False) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        if replace:
+            pipe.delete(location)
+        pipe.hset(location, mapping=fields)  # type: ignore[arg-type]
+        pipe.pexpire(location, self.ttl_ms)
+        await pipe.execute()
+
     async def get(self, location: str) -> torch.Tensor:
-        header, data = await self.redis.hmget(location, ["header", "data"])  # type: ignore[misc]
-        if header is None or data is None:
+        header = await self.redis.hget(location, "header")  # type: ignore[misc]
+        if header is None:
             raise KVTransferError(f"no KV blob at {location!r} (expired or already discarded)")
-        return unpack_tensor(header, data)
+        dtype, shape, num_chunks = unpack_header(header)
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        described = f"{str(dtype).removeprefix('torch.')}{list(shape)} needs {expected}"
+        # torch.frombuffer needs a writable buffer to hand out a tensor that owns its memory
+        buffer = bytearray(expected)
+        filled = 0
+        for i in range(num_chunks):
+            chunk = await self.redis.hget(location, f"data:{i}")  # type: ignore[misc]
+            if chunk is None:
+                raise KVTransferError(f"KV blob at {location!r} lost chunk {i} of {num_chunks} (expired or discarded)")
+            if filled + len(chunk) > expected:
+                raise KVTransferError(f"KV blob holds over {expected} bytes; {described}")
+            buffer[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        if filled != expected:
+            raise KVTransferError(f"KV blob holds {filled} bytes; {described}")
+        if expected == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
 
     async def discard(self, location: str) -> None:
         await self.redis.delete(location)

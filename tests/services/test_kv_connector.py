@@ -59,10 +59,28 @@ async def test_blob_is_a_msgpack_header_plus_raw_bytes_with_a_ttl(bus: Bus, conn
 
     location = await connector.put("req-1", 0, kv)
 
-    header, data = await bus.redis.hmget(location, ["header", "data"])
-    assert msgpack.unpackb(header) == {"dtype": "bfloat16", "shape": [2, 3]}
+    header, data = await bus.redis.hmget(location, ["header", "data:0"])
+    assert msgpack.unpackb(header) == {"dtype": "bfloat16", "shape": [2, 3], "chunks": 1}
     assert data == kv.view(torch.uint8).numpy().tobytes()
     assert 0 < await bus.redis.pttl(location) <= 30_000
+
+
+async def test_large_tensors_move_in_chunks_of_one_redis_call_each(bus: Bus) -> None:
+    connector = RedisKVConnector(bus.redis, bus.keys, ttl_s=30, chunk_bytes=1000)
+    kv = torch.randn(625, generator=torch.Generator().manual_seed(1))  # 2,500 bytes
+
+    location = await connector.put("req-1", 0, kv)
+
+    fields = await bus.redis.hgetall(location)
+    assert msgpack.unpackb(fields[b"header"])["chunks"] == 3
+    assert [len(fields[f"data:{i}".encode()]) for i in range(3)] == [1000, 1000, 500]
+    assert b"".join(fields[f"data:{i}".encode()] for i in range(3)) == kv.numpy().tobytes()
+    assert 0 < await bus.redis.pttl(location) <= 30_000
+    assert torch.equal(await connector.get(location), kv)
+
+    await bus.redis.hdel(location, "data:1")
+    with pytest.raises(KVTransferError, match="lost chunk 1 of 3"):
+        await connector.get(location)
 
 
 async def test_discarded_bytes_are_gone_and_discard_is_idempotent(connector: RedisKVConnector) -> None:
@@ -77,10 +95,14 @@ async def test_discarded_bytes_are_gone_and_discard_is_idempotent(connector: Red
 
 async def test_damaged_blob_is_an_error_not_a_wrong_tensor(bus: Bus, connector: RedisKVConnector) -> None:
     location = await connector.put("req-1", 0, torch.zeros(4))
-    await bus.redis.hset(location, "data", b"\x00" * 15)
-    with pytest.raises(KVTransferError, match="holds 15 bytes"):
+    await bus.redis.hset(location, "data:0", b"\x00" * 15)
+    with pytest.raises(KVTransferError, match="holds 15 bytes; float32\\[4\\] needs 16"):
         await connector.get(location)
 
-    await bus.redis.hset(location, "header", msgpack.packb({"dtype": "object", "shape": [1]}))
+    await bus.redis.hset(location, "data:0", b"\x00" * 17)
+    with pytest.raises(KVTransferError, match="holds over 16 bytes"):
+        await connector.get(location)
+
+    await bus.redis.hset(location, "header", msgpack.packb({"dtype": "object", "shape": [1], "chunks": 1}))
     with pytest.raises(KVTransferError, match="malformed KV header"):
         await connector.get(location)
