@@ -7,9 +7,10 @@ process.
 
 Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID. Each worker may use every
 core (LLMD_TORCH_THREADS) and runs on those the others leave free (services/cpu_share.py); with
-LLMD_WORKER__ELASTIC_THREADS=false the cores are divided among the workers instead. Ctrl-C or SIGTERM stops everything: SIGTERM (workers drain),
-a grace period, then SIGKILL; the private Redis goes last. `Stack` is the same as a library,
-for tests and scripts, and can add and stop workers while it runs.
+LLMD_WORKER__ELASTIC_THREADS=false the cores are divided among the workers instead. Ctrl-C or
+SIGTERM stops everything: SIGTERM (workers drain), a grace period, then SIGKILL; the private
+Redis goes last. `Stack` is the same as a library, for tests and scripts, and can add and stop
+workers while it runs.
 
 Scaling at run time: the CLI reads commands on stdin, one per line:
 
