@@ -57,6 +57,56 @@ ALWAYS_INLINE void store(void *base, int64_t i, float v, int dtype) {
 /* The value as the model dtype holds it. */
 ALWAYS_INLINE float rounded(float v, int dtype) { return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+/* The same, LANES elements at a time, written with GCC vector extensions: one AVX-512
+ * register, else one AVX2 register (two NEON ones). */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vfloat __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vuint __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vhalf __attribute__((vector_size(2 * LANES)));
+
+ALWAYS_INLINE vfloat vload(const void *base, int64_t i, int dtype) {
+    vfloat v;
+    if (dtype != DTYPE_BF16) {
+        memcpy(&v, (const float *)base + i, sizeof v);
+        return v;
+    }
+    vhalf h;
+    memcpy(&h, (const uint16_t *)base + i, sizeof h);
+    vuint bits = __builtin_convertvector(h, vuint) << 16;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* f32_to_bf16 of every lane, in the low half of each. */
+ALWAYS_INLINE vuint vbf16_bits(vfloat v) {
+    vuint u;
+    memcpy(&u, &v, sizeof u);
+    vuint nan = (vuint)((u & 0x7fffffffu) > 0x7f800000u);
+    vuint even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (even & ~nan) | (0x7fc0u & nan);
+}
+
+ALWAYS_INLINE void vstore(void *base, int64_t i, vfloat v, int dtype) {
+    if (dtype != DTYPE_BF16) {
+        memcpy((float *)base + i, &v, sizeof v);
+        return;
+    }
+    vhalf h = __builtin_convertvector(vbf16_bits(v), vhalf);
+    memcpy((uint16_t *)base + i, &h, sizeof h);
+}
+
+ALWAYS_INLINE vfloat vrounded(vfloat v, int dtype) {
+    if (dtype != DTYPE_BF16)
+        return v;
+    vuint bits = vbf16_bits(v) << 16;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* ---- RMSNorm ---------------------------------------------------------------------------- */
 
 ALWAYS_INLINE void rms_norm_row(void *out, void *residual_out, const void *x, const void *residual,
@@ -112,15 +162,44 @@ int rms_norm(void *out, int64_t stride_out, void *residual_out, int64_t stride_r
 
 /* ---- rotary embedding and the KV cache write -------------------------------------------- */
 
-/* NeoX / HF rotate_half on one head, in place: each product rounded, then the sum. */
-ALWAYS_INLINE void rotate_head(void *head, const float *cos_sin, int half, int dtype) {
-    for (int i = 0; i < half; i++) {
+/* NeoX / HF rotate_half on one head, in place, for pairs [from, half): each product rounded,
+ * then the sum. */
+ALWAYS_INLINE void rotate_head_tail(void *head, const float *cos_sin, int from, int half, int dtype) {
+    for (int i = from; i < half; i++) {
         float c = rounded(cos_sin[i], dtype), s = rounded(cos_sin[half + i], dtype);  /* HF casts cos, sin first */
         float x1 = load(head, i, dtype), x2 = load(head, half + i, dtype);
         float out1 = rounded(x1 * c, dtype) - rounded(x2 * s, dtype);
         float out2 = rounded(x2 * c, dtype) + rounded(x1 * s, dtype);
         store(head, i, out1, dtype);
         store(head, half + i, out2, dtype);
+    }
+}
+
+/* Pairs [i, i + LANES) of one head, with cos and sin already rounded to the dtype. */
+ALWAYS_INLINE void rotate_lanes(void *head, int64_t i, int half, vfloat c, vfloat s, int dtype) {
+    vfloat x1 = vload(head, i, dtype), x2 = vload(head, half + i, dtype);
+    vstore(head, i, vrounded(x1 * c, dtype) - vrounded(x2 * s, dtype), dtype);
+    vstore(head, half + i, vrounded(x2 * c, dtype) + vrounded(x1 * s, dtype), dtype);
+}
+
+/* One token's heads: LANES pairs at a time across all of them, so each slice of cos and sin
+ * is loaded and rounded once per token, not once per head; a head_dim / 2 that is not a
+ * multiple of LANES ends in scalar code. */
+ALWAYS_INLINE void rotate_token(char *q, int64_t stride_q_head, int num_heads, char *k, int64_t stride_k_head,
+                                int num_kv_heads, const float *cos_sin, int half, size_t size, int dtype) {
+    int i = 0;
+    for (; i + LANES <= half; i += LANES) {
+        vfloat c = vrounded(vload(cos_sin, i, DTYPE_F32), dtype), s = vrounded(vload(cos_sin, half + i, DTYPE_F32), dtype);
+        for (int h = 0; h < num_heads; h++)
+            rotate_lanes(q + h * stride_q_head * size, i, half, c, s, dtype);
+        for (int h = 0; h < num_kv_heads; h++)
+            rotate_lanes(k + h * stride_k_head * size, i, half, c, s, dtype);
+    }
+    if (i < half) {
+        for (int h = 0; h < num_heads; h++)
+            rotate_head_tail(q + h * stride_q_head * size, cos_sin, i, half, dtype);
+        for (int h = 0; h < num_kv_heads; h++)
+            rotate_head_tail(k + h * stride_k_head * size, cos_sin, i, half, dtype);
     }
 }
 
@@ -135,14 +214,13 @@ ALWAYS_INLINE void rotary_kv_write_tokens(
     int64_t elements = num_tokens * (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
 #pragma omp parallel for schedule(static) if (elements >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < num_tokens; t++) {
-        const float *cos_sin = cos_sin_cache + positions[t] * stride_cos_sin;
-        for (int h = 0; h < num_heads; h++)
-            rotate_head((char *)q + (t * stride_q_token + h * stride_q_head) * size, cos_sin, head_dim / 2, dtype);
+        char *q_token = (char *)q + t * stride_q_token * size, *k_token = (char *)k + t * stride_k_token * size;
+        rotate_token(q_token, stride_q_head, num_heads, k_token, stride_k_head, num_kv_heads,
+                     cos_sin_cache + positions[t] * stride_cos_sin, head_dim / 2, size, dtype);
         int64_t block = slot_mapping[t] / block_size, offset = slot_mapping[t] % block_size;
         for (int h = 0; h < num_kv_heads; h++) {
-            char *k_head = (char *)k + (t * stride_k_token + h * stride_k_head) * size;
-            rotate_head(k_head, cos_sin, head_dim / 2, dtype);
-            memcpy((char *)k_cache + (block * kc_block + offset * kc_token + h * kc_head) * size, k_head, row_bytes);
+            memcpy((char *)k_cache + (block * kc_block + offset * kc_token + h * kc_head) * size,
+                   k_token + h * stride_k_head * size, row_bytes);
             memcpy((char *)v_cache + (block * vc_block + offset * vc_token + h * vc_head) * size,
                    (const char *)v + (t * stride_v_token + h * stride_v_head) * size, row_bytes);
         }
