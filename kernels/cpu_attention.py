@@ -38,7 +38,22 @@ MAX_HEAD_DIM = 256
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None (logged once) where it cannot be built."""
-    return load_functions(SOURCE, COMPILE_FLAGS, "CPU decode attention", {"paged_decode_attention": _ARGTYPES})
+    return load_functions(SOURCE, COMPILE_FLAGS, "CPU decode attention", {
+        "paged_decode_attention": _ARGTYPES,
+        "paged_decode_attention_uses_amx": [_INT32] * 5,  # head_dim, heads, kv heads, block_size, dtype code
+    })
+
+
+def runs_on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` computes this query and cache on the AMX tile unit: bf16
+    with head_dim 32 or 64 and at most 16 query heads per kv head, on a CPU with AMX whose
+    kernel lets this process use it (see the C source)."""
+    lib = load()
+    if lib is None or _unsupported(q, k_cache) is not None:
+        return False
+    num_heads, head_dim = q.shape[-2:]
+    return bool(lib.paged_decode_attention_uses_amx(
+        head_dim, num_heads, k_cache.shape[2], k_cache.shape[1], DTYPE_CODES[q.dtype]))
 
 
 def _unsupported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:

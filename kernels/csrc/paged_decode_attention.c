@@ -23,7 +23,8 @@
  * shuffle tree instead of one horizontal sum per key; the values loop keeps up to 8 output
  * vectors. Each tile's successor is prefetched a line at a time beside the tile's own loads
  * (see attend). head_dim must be a multiple of 16 and at most 256; 64 and 128 get copies
- * with the size known to the compiler. Built and loaded by kernels/cpu_attention.py.
+ * with the size known to the compiler. On CPUs with AMX, bf16 with head_dim 32 or 64 runs on
+ * the tile unit instead (attend_amx, below). Built and loaded by kernels/cpu_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -187,6 +188,26 @@ static inline __attribute__((always_inline)) void next_tile(int32_t *blk, int32_
     }
 }
 
+/* Each of `rows` rows of scores (s_stride apart), its first len entries, turned into
+ * probabilities in place. */
+static inline __attribute__((always_inline)) void softmax_rows(float *scores, int64_t s_stride, int rows, int32_t len)
+{
+    for (int j = 0; j < rows; j++) {
+        float *restrict s = scores + j * s_stride;
+        float max = s[0];
+        for (int32_t t = 1; t < len; t++)
+            max = s[t] > max ? s[t] : max;
+        float sum = 0.0f;
+        for (int32_t t = 0; t < len; t++) {
+            s[t] = expf(s[t] - max);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int32_t t = 0; t < len; t++)
+            s[t] *= inv;
+    }
+}
+
 /* kv heads g0 .. g0+ng-1 of request r. Scratch: q_f32 and acc [ng * group, head_dim], scores
  * [ng * group, s_stride], tile [TILE, head_dim].
  *
@@ -252,20 +273,7 @@ static inline __attribute__((always_inline)) void attend(
         off = noff;
     }
 
-    for (int j = 0; j < ng * group; j++) {
-        float *restrict s = scores + j * s_stride;
-        float max = s[0];
-        for (int32_t t = 1; t < len; t++)
-            max = s[t] > max ? s[t] : max;
-        float sum = 0.0f;
-        for (int32_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int32_t t = 0; t < len; t++)
-            s[t] *= inv;
-    }
+    softmax_rows(scores, s_stride, ng * group, len);
 
     memset(acc, 0, sizeof(float) * (size_t)(ng * group) * (size_t)head_dim);
     for (int32_t t0 = 0, blk = 0, off = 0; t0 < len; t0 += TILE) {
@@ -306,6 +314,233 @@ static inline __attribute__((always_inline)) void attend(
         for (int c = 0; c < head_dim; c += LANES)
             store_lanes(a->out, out + c, load_lanes(acc, j * head_dim + c, 0), bf16);
     }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+/* ---- bfloat16 on AMX ---------------------------------------------------------------------
+ *
+ * On CPUs with AMX (Intel Sapphire Rapids and later) the arithmetic of a bf16 decode step
+ * goes to the tile unit, which turns the kernel from bound by vector arithmetic (about 8 GB/s
+ * of cache read per core, even with everything in L2) into one bound by memory:
+ *
+ *   scores^T [16 keys, group] = K tile [16 keys, head_dim] x q^T [head_dim, group]: the key
+ *   rows go into the tile unit straight from the cache block (a strided tile load), the query
+ *   heads of the group once per item, re-laid as pairs of dims (AMX's VNNI layout);
+ *
+ *   out [group, head_dim] += P [group, 16 keys] x V tile [16 keys, head_dim]: here the values
+ *   are the pairs operand, so each tile's rows are interleaved two keys at a time
+ *   (vpunpck{l,h}wd, which leave the dims permuted within each 128-bit lane; the output is
+ *   put back in order once at the end). P is split into a bf16 part and a bf16 remainder,
+ *   both multiplied, so the probabilities keep 16 bits rather than bf16's 8 and the output
+ *   stays within float32 rounding of the exact result, as the vector path's.
+ *
+ * Products of bf16 are exact in float32 and accumulate in float32, so the result is the
+ * vector path's to float rounding. head_dim 32 or 64 (up to 4 output tiles of 16 floats),
+ * at most 16 query heads per kv head. The tile configuration of the calling thread (oneDNN
+ * and PyTorch use the tile unit between our calls) is saved on entry and restored on exit.
+ */
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MAX_GROUP 16
+/* how far ahead the next tiles' rows are asked for (see prefetch_tile) */
+#ifndef AMX_PREFETCH_TILES
+#define AMX_PREFETCH_TILES 1
+#endif
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Whether this process may use the tile unit: Linux grants it on request, once per process. */
+static int amx_permitted(void)
+{
+    static int state = -1;
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+static int amx_takes(int dtype, int head_dim, int group, int block_size)
+{
+    return dtype != 0 && (head_dim == 32 || head_dim == 64) && group <= AMX_MAX_GROUP && block_size % TILE == 0 &&
+           amx_permitted();
+}
+
+static void set_tile(TileConfig *c, int tmm, int rows, int colsb)
+{
+    c->rows[tmm] = (uint8_t)rows;
+    c->colsb[tmm] = (uint16_t)colsb;
+}
+
+/* The bf16 bits of a float32 vector, rounded to nearest even (no NaN reaches here). */
+static inline __attribute__((always_inline)) __m256i bf16_of(__m512 v)
+{
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                         _mm512_set1_epi32(1))));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* Ask for the rows of kv head g's tile `ahead` tiles past the one at key t0, if the request
+ * has one: the block table sends each tile somewhere no hardware prefetcher looks, and a tile
+ * load that waits on memory stalls the tile unit. */
+static inline __attribute__((always_inline)) void prefetch_tile(
+    const uint16_t *cache, int64_t stride_b, int64_t stride_t, int64_t stride_h, const int32_t *table, int32_t bs,
+    int32_t t0, int32_t len, int32_t g, int head_dim)
+{
+    const int32_t at = t0 + AMX_PREFETCH_TILES * TILE;
+    if (at >= len)
+        return;
+    const uint16_t *rows = cache + tile_at(table, at / bs, at % bs, stride_b, stride_t, stride_h, g);
+    const int32_t n = len - at < TILE ? len - at : TILE;
+    for (int32_t i = 0; i < n; i++)
+        for (int d = 0; d < head_dim; d += 32)
+            _mm_prefetch((const char *)(rows + i * stride_t + d), _MM_HINT_T0);
+}
+
+/* Tiles: scores pass 0 = scores^T, 1 = key rows, 2 = query pairs; values pass 0-3 = output
+ * (16 dims each), 4 = P's bf16 part, 5 = its remainder, 6 = value pairs. */
+static void attend_amx(const DecodeArgs *a, int32_t r, int32_t g0, int32_t ng, float *restrict scores,
+                       int64_t s_stride)
+{
+    const int group = a->num_heads / a->num_kv_heads;
+    const int hd = a->head_dim, chunks = hd / 32;
+    const int32_t len = a->seq_lens[r], bs = a->block_size;
+    const int32_t *table = a->block_tables + r * a->bt_stride;
+    const uint16_t *q = a->q, *k_cache = a->k_cache, *v_cache = a->v_cache;
+    uint16_t q_pairs[2][16][AMX_MAX_GROUP][2] __attribute__((aligned(64)));
+    uint16_t v_pairs[4][8][32] __attribute__((aligned(64)));
+    uint16_t p_hi[AMX_MAX_GROUP][16] __attribute__((aligned(64))), p_lo[AMX_MAX_GROUP][16] __attribute__((aligned(64)));
+    float st[16][AMX_MAX_GROUP] __attribute__((aligned(64)));
+    float o[4][AMX_MAX_GROUP][16] __attribute__((aligned(64)));
+
+    TileConfig scores_cfg = {.palette_id = 1}, values_cfg = {.palette_id = 1};
+    set_tile(&scores_cfg, 0, 16, group * 4);
+    set_tile(&scores_cfg, 1, 16, 64);
+    set_tile(&scores_cfg, 2, 16, group * 4);
+    for (int t = 0; t < 2 * chunks; t++)
+        set_tile(&values_cfg, t, group, 64);
+    set_tile(&values_cfg, 4, group, 32);
+    set_tile(&values_cfg, 5, group, 32);
+    set_tile(&values_cfg, 6, 8, 64);
+
+    _tile_loadconfig(&scores_cfg);
+    for (int32_t g = g0; g < g0 + ng; g++) {
+        const int first = (g - g0) * group;
+        for (int j = 0; j < group; j++) {
+            const uint16_t *qj = q + r * a->q_stride_r + (int64_t)(g * group + j) * a->q_stride_h;
+            for (int c = 0; c < chunks; c++)
+                for (int p = 0; p < 16; p++) {
+                    q_pairs[c][p][j][0] = qj[32 * c + 2 * p];
+                    q_pairs[c][p][j][1] = qj[32 * c + 2 * p + 1];
+                }
+        }
+        for (int32_t t0 = 0, blk = 0, off = 0; t0 < len; t0 += TILE) {
+            const int32_t n = len - t0 < TILE ? len - t0 : TILE;
+            /* rows past len are other slots of the same block: their scores are not read */
+            const uint16_t *k = k_cache + tile_at(table, blk, off, a->kc_stride_b, a->kc_stride_t, a->kc_stride_h, g);
+            prefetch_tile(k_cache, a->kc_stride_b, a->kc_stride_t, a->kc_stride_h, table, bs, t0, len, g, hd);
+            _tile_zero(0);
+            for (int c = 0; c < chunks; c++) {
+                _tile_loadd(1, k + 32 * c, a->kc_stride_t * 2);
+                _tile_loadd(2, q_pairs[c], AMX_MAX_GROUP * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, st, AMX_MAX_GROUP * 4);
+            for (int j = 0; j < group; j++)
+                for (int32_t i = 0; i < n; i++)
+                    scores[(first + j) * s_stride + t0 + i] = st[i][j] * a->scale;
+            next_tile(&blk, &off, bs);
+        }
+    }
+
+    softmax_rows(scores, s_stride, ng * group, len);
+
+    _tile_loadconfig(&values_cfg);
+    for (int32_t g = g0; g < g0 + ng; g++) {
+        const int first = (g - g0) * group;
+        for (int t = 0; t < 2 * chunks; t++)
+            switch (t) {
+            case 0: _tile_zero(0); break;
+            case 1: _tile_zero(1); break;
+            case 2: _tile_zero(2); break;
+            default: _tile_zero(3); break;
+            }
+        for (int32_t t0 = 0, blk = 0, off = 0; t0 < len; t0 += TILE) {
+            const int32_t n = len - t0 < TILE ? len - t0 : TILE;
+            const uint16_t *v = v_cache + tile_at(table, blk, off, a->vc_stride_b, a->vc_stride_t, a->vc_stride_h, g);
+            prefetch_tile(v_cache, a->vc_stride_b, a->vc_stride_t, a->vc_stride_h, table, bs, t0, len, g, hd);
+            /* keys 2i and 2i+1 interleaved; keys past len as zeros, so that whatever their
+             * slots hold cannot reach the output through a zero probability (0 * inf) */
+            for (int i = 0; i < 8; i++)
+                for (int c = 0; c < chunks; c++) {
+                    const __m512i even = 2 * i < n ? _mm512_loadu_si512(v + 2 * i * a->vc_stride_t + 32 * c)
+                                                   : _mm512_setzero_si512();
+                    const __m512i odd = 2 * i + 1 < n ? _mm512_loadu_si512(v + (2 * i + 1) * a->vc_stride_t + 32 * c)
+                                                      : _mm512_setzero_si512();
+                    _mm512_store_si512(v_pairs[2 * c][i], _mm512_unpacklo_epi16(even, odd));
+                    _mm512_store_si512(v_pairs[2 * c + 1][i], _mm512_unpackhi_epi16(even, odd));
+                }
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            for (int j = 0; j < group; j++) {
+                const __m512 p = _mm512_maskz_loadu_ps(valid, scores + (first + j) * s_stride + t0);
+                const __m256i hi = bf16_of(p);
+                const __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+                _mm256_store_si256((__m256i *)p_hi[j], hi);
+                _mm256_store_si256((__m256i *)p_lo[j], bf16_of(_mm512_sub_ps(p, hi_f)));
+            }
+            _tile_loadd(4, p_hi, 32);
+            _tile_loadd(5, p_lo, 32);
+#define ACCUMULATE(t)                                   \
+    _tile_loadd(6, v_pairs[t], 64);                     \
+    _tile_dpbf16ps(t, 4, 6);                            \
+    _tile_dpbf16ps(t, 5, 6)
+            ACCUMULATE(0);
+            ACCUMULATE(1);
+            if (chunks == 2) {
+                ACCUMULATE(2);
+                ACCUMULATE(3);
+            }
+#undef ACCUMULATE
+            next_tile(&blk, &off, bs);
+        }
+        _tile_stored(0, o[0], 64);
+        _tile_stored(1, o[1], 64);
+        if (chunks == 2) {
+            _tile_stored(2, o[2], 64);
+            _tile_stored(3, o[3], 64);
+        }
+        /* column m of output tile 2c+h holds dim 32c + 8 (m / 4) + 4h + m % 4 (see above) */
+        for (int j = 0; j < group; j++) {
+            float row[64] __attribute__((aligned(64)));
+            for (int t = 0; t < 2 * chunks; t++)
+                for (int m = 0; m < 16; m++)
+                    row[32 * (t / 2) + 8 * (m / 4) + 4 * (t % 2) + m % 4] = o[t][j][m];
+            const int64_t out = r * a->out_stride_r + ((int64_t)g * group + j) * a->out_stride_h;
+            for (int d = 0; d < hd; d += LANES)
+                store_lanes(a->out, out + d, load_lanes(row, d, 0), 1);
+        }
+    }
+}
+#else
+static int amx_takes(int dtype, int head_dim, int group, int block_size)
+{
+    (void)dtype, (void)head_dim, (void)group, (void)block_size;
+    return 0;
+}
+#endif
+
+/* Whether a call with these arguments runs on AMX (see above): 1 or 0. */
+int paged_decode_attention_uses_amx(int32_t head_dim, int32_t num_heads, int32_t num_kv_heads, int32_t block_size,
+                                    int32_t dtype)
+{
+    return amx_takes(dtype, head_dim, num_heads / num_kv_heads, block_size);
 }
 
 typedef void (*AttendFn)(const DecodeArgs *, int32_t, int32_t, int32_t, float *, float *, int64_t, float *, float *);
@@ -356,6 +591,7 @@ int paged_decode_attention(
         {attend_bf16_64, attend_bf16_128, attend_bf16_any},
     };
     const AttendFn kernel = kernels[dtype != 0][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
+    const int amx = amx_takes(dtype, head_dim, num_heads / num_kv_heads, block_size);
     /* a request's kv heads in one work item where there are requests enough to go round: the
      * heads of a token sit side by side in a block, so the item then reads whole blocks front
      * to back, which the hardware prefetcher follows */
@@ -376,7 +612,19 @@ int paged_decode_attention(
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
+        if (!failed && amx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+            TileConfig callers;
+            _tile_storeconfig(&callers);
+#pragma omp for schedule(dynamic, 1)
+            for (int32_t item = 0; item < num_reqs * items_per_req; item++)
+                attend_amx(&args, item / items_per_req, item % items_per_req * ng, ng, scores, s_stride);
+            if (callers.palette_id != 0)
+                _tile_loadconfig(&callers);
+            else
+                _tile_release();
+#endif
+        } else if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int32_t item = 0; item < num_reqs * items_per_req; item++)
                 kernel(&args, item / items_per_req, item % items_per_req * ng, ng, q_f32, scores, s_stride, acc, tile);

@@ -93,7 +93,10 @@ def cpu_kernel() -> None:
 
 
 # head_dim 80 takes the kernel's generic path; 64 and 128 its specialised ones
-CPU_EXTRA_CASES: list[Case] = [([5, 90, 33], [1] * 3, 10, 2, 80, 16), ([300, 1, 47], [1, 1, 1], 9, 3, 64, 16)]
+# (and on a CPU with AMX, bf16 head_dim 32 and 64 its tile path)
+CPU_EXTRA_CASES: list[Case] = [
+    ([5, 90, 33], [1] * 3, 10, 2, 80, 16), ([300, 1, 47], [1, 1, 1], 9, 3, 64, 16), ([40, 17], [1, 1], 4, 2, 32, 16),
+]
 
 
 @pytest.mark.parametrize(
@@ -118,6 +121,44 @@ def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel
     exact = paged_attention_ref(*upcast, *batch.args[-2:])
     torch.testing.assert_close(out.float(), exact, atol=1e-3, rtol=2**-8)
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.bfloat16])
+
+
+def _has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_bf16" in f.read().split()
+
+
+def test_bf16_decode_runs_on_amx_exactly_where_the_cpu_has_it(cpu_kernel: None) -> None:
+    def shape(head_dim: int, num_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(1, num_heads, head_dim, dtype=dtype), torch.zeros(2, 16, 3, head_dim, dtype=dtype)
+
+    assert cpu_attention.runs_on_amx(*shape(64, 9, torch.bfloat16)) == _has_amx()  # SmolLM2's attention
+    assert cpu_attention.runs_on_amx(*shape(32, 6, torch.bfloat16)) == _has_amx()
+    assert not cpu_attention.runs_on_amx(*shape(64, 9, torch.float32))
+    assert not cpu_attention.runs_on_amx(*shape(128, 9, torch.bfloat16))  # more output tiles than AMX has
+    assert not cpu_attention.runs_on_amx(*shape(64, 3 * 17, torch.bfloat16))  # 17 query heads per kv head
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slots_past_a_requests_end_cannot_reach_its_output(dtype: torch.dtype, cpu_kernel: None) -> None:
+    # an unwritten slot's value times a zero probability: 0 * inf would be NaN
+    batch = _batch(([21, 5], [1, 1], 9, 3, 64, 16), dtype)
+    clean = paged_attention_cpu(*batch.args)
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        last_block = int(batch.block_tables[i, (seq_len - 1) // 16])
+        batch.k_cache[last_block, seq_len % 16 :] = float("inf")
+        batch.v_cache[last_block, seq_len % 16 :] = float("inf")
+    assert torch.equal(paged_attention_cpu(*batch.args), clean)
+
+
+def test_the_tile_unit_is_left_as_the_caller_had_it(cpu_kernel: None) -> None:
+    # oneDNN's bf16 products use the tile unit on the same threads, between attention calls
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(256, 576, generator=gen).bfloat16() for _ in range(2))
+    before = torch.nn.functional.linear(x, w)
+    batch = _batch(CPU_EXTRA_CASES[1], torch.bfloat16)
+    paged_attention_cpu(*batch.args)
+    assert torch.equal(torch.nn.functional.linear(x, w), before)
 
 
 def test_loading_the_cpu_kernel_leaves_subnormals_alone(cpu_kernel: None) -> None:
