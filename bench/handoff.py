@@ -1,6 +1,7 @@
 """Comparison e: the prefill -> decode KV handoff, by prompt length.
 
     python -m bench.handoff [--lengths 128,512,2048,7168 --requests-per-length 4 --output-len 4 --seed 0]
+                            [--transport shm|redis]
 
 One stack (1 prefill + 1 decode worker, prefix caching off, every prompt fresh random tokens, so
 each request moves its whole KV). For each length, one untimed warm-up, then the requests one at
@@ -8,8 +9,9 @@ a time; the prefill worker's /metrics before and after give per length:
 
 - KV bytes per request (llmd_handoff_bytes) and per prompt token;
 - handoff seconds (llmd_handoff_seconds): from the end of the request's prefill to KVReady sent,
-  i.e. offer, the decode worker's accept, reading the blocks and writing them to Redis
-  (services/prefill/worker.py::_observe_handoff); MiB/s = bytes / those seconds;
+  i.e. offer, the decode worker's accept, reading the blocks and writing them to the workers'
+  shared /dev/shm or, with --transport redis, to Redis (services/prefill/worker.py::_observe_handoff);
+  MiB/s = bytes / those seconds;
 - TTFT on the prefill worker (vllm:time_to_first_token_seconds: requests stream -> first token).
 
 The first token is sent before the handoff starts, so TTFT does not wait for it: the handoff
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmups", type=int, default=1, help="untimed requests per length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=NAME, help="results go to bench/results/NAME.json and NAME.png")
+    parser.add_argument("--transport", default="shm", choices=("shm", "redis"),
+                        help="shm: the workers' shared /dev/shm (the default on one host); redis: Redis only")
     return parser
 
 
@@ -176,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_len < 2 or args.requests_per_length < 1 or args.warmups < 0:
         parser.error(f"need --output-len >= 2 (got {args.output_len}), --requests-per-length >= 1 "
                      f"(got {args.requests_per_length}) and --warmups >= 0 (got {args.warmups})")  # fmt: skip
-    print("starting a stack (1 prefill + 1 decode, prefix caching off)", file=sys.stderr, flush=True)
-    with Stack(stack_config({"LLMD_KV_CACHE__ENABLE_PREFIX_CACHING": "false"})) as stack:
+    print(f"starting a stack (1 prefill + 1 decode, prefix caching off, KV through {args.transport})",
+          file=sys.stderr, flush=True)
+    env = {"LLMD_KV_CACHE__ENABLE_PREFIX_CACHING": "false"}
+    if args.transport == "redis":
+        env["LLMD_WORKER__KV_SHM_DIR"] = ""
+    with Stack(stack_config(env)) as stack:
         # a seed per length: prompts of different lengths share no tokens
         runs = [run_length(stack, n, args, args.seed + i) for i, n in enumerate(lengths)]
     rows = [run.row() for run in runs]

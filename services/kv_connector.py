@@ -5,6 +5,9 @@ KVReady; the decode side `get`s it, writes it into its pool, then `discard`s it.
 opaque strings, so a faster transport (shared memory, RDMA) can replace the Redis one without
 touching the workers.
 
+`KVTransports` picks the transport per transfer: `SharedMemoryKVConnector` when the two workers
+share a tmpfs (one host, or containers given one /dev/shm), `RedisKVConnector` otherwise.
+
 `RedisKVConnector` keeps one hash per transfer under `keys.kv_blob(req_id, attempt)`, so it works
 across hosts with nothing but Redis and TCP:
 
@@ -20,14 +23,23 @@ whose reader died do not outlive it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import mmap
+import os
+import secrets
+import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 import msgpack
 import redis.asyncio as aioredis
 import torch
 
 from shared.streams import Keys
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -130,3 +142,178 @@ class RedisKVConnector(KVConnector):
 
     async def discard(self, location: str) -> None:
         await self.redis.delete(location)
+
+
+SHM_SCHEME = "shm:"
+
+
+class SharedMemoryKVConnector(KVConnector):
+    """Transfers between workers that share a tmpfs directory (/dev/shm): one file per transfer,
+    written with one copy and read with one, where Redis costs a round trip per 8 MiB chunk and
+    copies through its own memory and two sockets.
+
+    A file is `<header length: u32 LE><msgpack header as in Redis><the tensor's raw bytes>`,
+    written under a temporary name and renamed, so a reader never sees half of one. Each
+    worker also keeps an empty marker file, `<prefix>worker-<token>`: a prefill worker that
+    finds the decode worker's marker in its own directory knows that they share it (containers
+    on one host each have their own /dev/shm unless given one). Files have no TTL in a tmpfs, so
+    `sweep` removes transfers older than `ttl_s`, which a reader that died left behind.
+    """
+
+    def __init__(self, directory: str | Path, namespace: str, ttl_s: float) -> None:
+        self.directory = Path(directory)
+        self.prefix = f"llmd-{namespace}-"
+        self.ttl_s = ttl_s
+        self.token = secrets.token_hex(8)
+        self._marker = self._worker_marker(self.token)
+
+    def _worker_marker(self, token: str) -> Path:
+        return self.directory / f"{self.prefix}worker-{token}"
+
+    def advertise(self) -> bool:
+        """Create this worker's marker; False (logged) where the directory cannot take files."""
+        try:
+            self._marker.touch()
+        except OSError as e:
+            logger.warning("KV handoffs go through Redis only: %s is not usable (%s)", self.directory, e)
+            return False
+        return True
+
+    def withdraw(self) -> None:
+        self._marker.unlink(missing_ok=True)
+
+    def shares_with(self, token: str) -> bool:
+        """Whether the worker that advertised `token` sees this worker's directory."""
+        return bool(token) and token.isalnum() and self._worker_marker(token).exists()
+
+    def _path_of(self, location: str) -> Path:
+        """The file a location names, refused unless it is one of this deployment's transfers:
+        locations arrive in messages, and `discard` deletes what they name."""
+        name = location.removeprefix(SHM_SCHEME)
+        path = self.directory / Path(name).name
+        if not location.startswith(SHM_SCHEME) or str(path) != name or not path.name.startswith(f"{self.prefix}kv-"):
+            raise KVTransferError(f"{location!r} is not a KV transfer in {self.directory}")
+        return path
+
+    async def put(self, req_id: str, attempt: int, tensor: torch.Tensor) -> str:
+        name = f"{self.prefix}kv-{secrets.token_hex(8)}-{attempt}"  # req ids come from clients: not in file names
+        path = self.directory / name
+        await asyncio.to_thread(self._write, path, tensor)
+        return SHM_SCHEME + str(path)
+
+    @staticmethod
+    def _write(path: Path, tensor: torch.Tensor) -> None:
+        header = pack_header(tensor, 1)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(len(header).to_bytes(4, "little"))
+                f.write(header)
+                f.write(tensor_bytes(tensor))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    async def get(self, location: str) -> torch.Tensor:
+        return await asyncio.to_thread(self._read, self._path_of(location))
+
+    @staticmethod
+    def _read(path: Path) -> torch.Tensor:
+        """The file's tensor over a private mapping of its pages: no copy until the pool write,
+        and the pages outlive the file's removal for as long as the tensor lives."""
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # copy-on-write: torch.frombuffer wants a writable buffer, and the file stays as it is
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+        except FileNotFoundError as e:
+            raise KVTransferError(f"no KV transfer at {str(path)!r} (expired or already discarded)") from e
+        if size < 4:
+            raise KVTransferError(f"KV transfer at {str(path)!r} holds {size} bytes, not even a header")
+        header_len = int.from_bytes(data[:4], "little")
+        dtype, shape, _ = unpack_header(bytes(data[4 : 4 + header_len]))
+        offset = 4 + header_len
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if len(data) - offset != expected:
+            raise KVTransferError(
+                f"KV transfer holds {len(data) - offset} bytes; {str(dtype).removeprefix('torch.')}{list(shape)} "
+                f"needs {expected}"
+            )
+        if expected == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=torch.uint8, offset=offset).view(dtype).reshape(shape)
+
+    async def discard(self, location: str) -> None:
+        self._path_of(location).unlink(missing_ok=True)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove this deployment's transfers older than ttl_s; returns how many."""
+        cutoff = (time.time() if now is None else now) - self.ttl_s
+        removed = 0
+        for path in self.directory.glob(f"{self.prefix}kv-*"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # its reader discarded it meanwhile
+                continue
+        return removed
+
+
+class KVTransports:
+    """The connector for each transfer: shared memory to a worker that shares this one's
+    directory, Redis otherwise, and Redis again when writing the file fails (a full tmpfs: Docker
+    gives a container 64 MiB of /dev/shm unless told otherwise). Reads and discards go by the
+    location, so a reader takes whatever the writer chose."""
+
+    def __init__(self, redis: RedisKVConnector, shm: SharedMemoryKVConnector | None) -> None:
+        self.redis = redis
+        self.shm = shm
+
+    def start(self) -> None:
+        """Advertise this worker's shared-memory marker; without a usable directory, Redis only."""
+        if self.shm is not None and not self.shm.advertise():
+            self.shm = None
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.withdraw()
+
+    def sweep(self) -> None:
+        """Remove shared-memory transfers that outlived their TTL (their reader or writer died)."""
+        if self.shm is not None and (removed := self.shm.sweep()):
+            logger.warning("removed %d abandoned KV transfers from %s", removed, self.shm.directory)
+
+    @property
+    def shm_token(self) -> str:
+        """What a decode worker tells prefill workers (HandoffAccept.kv_shm); empty: Redis only."""
+        return "" if self.shm is None else self.shm.token
+
+    def _at(self, location: str) -> KVConnector:
+        if location.startswith(SHM_SCHEME):
+            if self.shm is None:
+                raise KVTransferError(f"KV transfer {location!r} is in shared memory, which this worker does not use")
+            return self.shm
+        return self.redis
+
+    async def put(self, req_id: str, attempt: int, tensor: torch.Tensor, peer_shm_token: str) -> str:
+        if self.shm is not None and self.shm.shares_with(peer_shm_token):
+            try:
+                return await self.shm.put(req_id, attempt, tensor)
+            except OSError as e:
+                logger.warning("KV of %s goes through Redis: writing it to %s failed (%s)", req_id,
+                               self.shm.directory, e)
+        return await self.redis.put(req_id, attempt, tensor)
+
+    async def get(self, location: str) -> torch.Tensor:
+        return await self._at(location).get(location)
+
+    async def discard(self, location: str) -> None:
+        await self._at(location).discard(location)
+
+
+def kv_transports(redis: aioredis.Redis, keys: Keys, namespace: str, shm_dir: str, ttl_s: float) -> KVTransports:
+    """A worker's transports: Redis always, shared memory in `shm_dir` unless it is empty."""
+    shm = SharedMemoryKVConnector(shm_dir, namespace, ttl_s) if shm_dir else None
+    return KVTransports(RedisKVConnector(redis, keys, ttl_s), shm)

@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 
 from services.engine_thread import EngineThread
 from services.health import create_health_app
+from services.kv_connector import kv_transports
 from shared.engine.engine import RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.loader import ModelNotFoundError, resolve_model_path
@@ -117,6 +118,9 @@ class Worker:
         self.bus = Bus(settings.redis)
         self.keys = self.bus.keys
         self.inbox = self.keys.inbox(self.worker_id)
+        # what KV handoffs go through; the blobs outlive a handoff's timeout so a slow reader still finds them
+        self.kv = kv_transports(self.bus.redis, self.keys, settings.redis.namespace, settings.worker.kv_shm_dir,
+                                ttl_s=settings.worker.handoff_timeout_s * 3)
         self.engine = EngineThread()
         self.metrics = WorkerMetrics(model_name(settings), self.worker_id)
         self.draining = False
@@ -175,6 +179,7 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         await self._start_health_server()
+        self.kv.start()
         logger.info("%s worker %s: loading %s", self.role, self.worker_id, self.settings.model.path)
         engine = await self.engine.load(self.settings)
         stats = self.engine.stats
@@ -221,6 +226,7 @@ class Worker:
             logger.warning("could not deregister (%s); the heartbeat will lapse on its own", e)
         if self._health_runner is not None:
             await self._health_runner.cleanup()
+        self.kv.close()
         await self.bus.close()
         self.engine.shutdown()
 
@@ -326,8 +332,10 @@ class Worker:
         await with_backoff(lambda: self.bus.ack(stream, group, entry_id), f"acknowledging {stream}", self.stopped)
 
     async def trim(self) -> None:
-        """Drop acknowledged entries of the streams this worker consumes, so they do not grow forever."""
+        """Drop acknowledged entries of the streams this worker consumes, so they do not grow forever,
+        and KV transfers that nobody will read."""
         await self.bus.trim_acknowledged(self.inbox, INBOX_GROUP)
+        self.kv.sweep()
 
     # -- heartbeat -------------------------------------------------------------------------------
 

@@ -167,6 +167,7 @@ class HandoffAccept(Message):
     attempt: int
     decode_id: str
     needed_blocks: list[int] | None  # None: rejected, offer it elsewhere
+    kv_shm: str = ""  # the decode worker's shared-memory marker (services/kv_connector.py); empty: Redis only
 
 
 @dataclass(slots=True)

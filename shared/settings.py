@@ -116,6 +116,9 @@ class WorkerSettings(BaseModel):
     heartbeat_ttl_s: float = Field(3.0, gt=0, description="a worker silent this long is treated as dead")
     max_deliveries: int = Field(3, ge=1, description="deliveries of one request before it is dead-lettered")
     handoff_timeout_s: float = Field(10.0, gt=0, description="bound on waiting for the other side of a KV handoff")
+    kv_shm_dir: str = Field(
+        "/dev/shm", description="tmpfs through which KV handoffs go between workers that share it (one host, or "
+        "containers given one /dev/shm); Redis carries the rest; empty = always Redis")
     stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
     cpus: str = Field("", description="CPUs the worker runs on, e.g. '0', '0-1' or '0,2'; empty = any")
     elastic_threads: bool = Field(

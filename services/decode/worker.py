@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from services.kv_connector import KVTransferError, RedisKVConnector
+from services.kv_connector import KVTransferError
 from services.token_stream import Active, TokenStream
 from services.worker_base import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
@@ -95,7 +95,6 @@ class DecodeWorker(Worker):
 
     def __init__(self, settings: WorkerServiceSettings) -> None:
         super().__init__(settings)
-        self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=settings.worker.handoff_timeout_s * 3)
         self._reserved: dict[str, Reservation] = {}
         self._writing: dict[str, asyncio.Future[None]] = {}  # KV writes in flight, off the engine thread
         self._in_turn: dict[str, asyncio.Task[None]] = {}  # each request's latest offer or cancel being handled
@@ -194,7 +193,7 @@ class DecodeWorker(Worker):
         return needed
 
     async def _answer(self, offer: HandoffOffer, needed: list[int] | None) -> None:
-        accept = HandoffAccept(offer.req_id, offer.attempt, self.worker_id, needed)
+        accept = HandoffAccept(offer.req_id, offer.attempt, self.worker_id, needed, self.kv.shm_token)
         await self.send(self.keys.inbox(offer.prefill_id), accept)
 
     def _expire(self, req_id: str, attempt: int) -> None:
@@ -223,7 +222,7 @@ class DecodeWorker(Worker):
             await self._discard(msg.location)
             return
         try:
-            data = await self.connector.get(msg.location) if msg.block_positions else None
+            data = await self.kv.get(msg.location) if msg.block_positions else None
         except KVTransferError as e:
             await self._abort(msg.req_id, str(e))
             await self._fail(held.offer, f"KV transfer failed: {e}")
@@ -284,7 +283,7 @@ class DecodeWorker(Worker):
 
     async def _discard(self, location: str) -> None:
         if location:
-            await self.connector.discard(location)
+            await self.kv.discard(location)
 
     async def _fail(self, offer: HandoffOffer, error: str) -> None:
         update = TokenUpdate(

@@ -49,6 +49,7 @@ class Tracked:
     arrived_at: float  # unix time it entered the requests stream
     prefilled_at: float | None = None  # monotonic
     decode_id: str | None = None  # the decode worker that reserved blocks for it
+    decode_shm: str = ""  # its shared-memory marker (HandoffAccept.kv_shm)
     cancelled: bool = False
     handoff: asyncio.Task[None] | None = None
     # taken on the engine thread right after the step that finished its prefill

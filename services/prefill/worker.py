@@ -23,7 +23,6 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from services.kv_connector import RedisKVConnector
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
 from services.prefill.tracked import MIB, Tally, Tracked, entry_time
@@ -56,7 +55,6 @@ class PrefillWorker(Worker):
     def __init__(self, settings: WorkerServiceSettings) -> None:
         super().__init__(settings)
         cfg = settings.worker
-        self.connector = RedisKVConnector(self.bus.redis, self.keys, ttl_s=cfg.handoff_timeout_s * 3)
         self.picker = DecodePicker(self.bus)
         self.accepts = AcceptBoard()
         self.reclaimer = Reclaimer(self.bus, self.worker_id, min_idle_s=cfg.heartbeat_ttl_s)
@@ -326,6 +324,7 @@ class PrefillWorker(Worker):
             logger.debug("decode worker %s has no room for %s", decode_id, t.req_id)
             return None
         t.decode_id = decode_id
+        t.decode_shm = accept.kv_shm
         self.picker.record(decode_id, offer.num_blocks)
         return accept.needed_blocks
 
@@ -336,9 +335,9 @@ class PrefillWorker(Worker):
             # off the engine thread (see Engine.read_blocks): the copy does not wait for the step in progress
             data = await asyncio.to_thread(self.engine.engine.read_blocks, [t.kv_block_ids[i] for i in needed])
             num_bytes = data.numel() * data.element_size()
-            location = await self.connector.put(t.req_id, t.msg.attempt, data)
+            location = await self.kv.put(t.req_id, t.msg.attempt, data, t.decode_shm)
         if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
-            await self.connector.discard(location)
+            await self.kv.discard(location)
             return
         # the update names the new holder, so the gateway can re-run the request should that worker die
         holder = TokenUpdate(

@@ -49,6 +49,14 @@ def test_workers_can_be_scaled(cpu: dict[str, Any], service: str) -> None:
     assert spec["expose"] == ["9100"]
 
 
+@pytest.mark.parametrize("service", WORKERS)
+def test_workers_hand_kv_off_through_one_shared_tmpfs(cpu: dict[str, Any], service: str) -> None:
+    spec = cpu["services"][service]
+    assert spec["environment"]["LLMD_WORKER__KV_SHM_DIR"] == "/kv-shm"
+    assert {"type": "volume", "source": "kv-shm", "target": "/kv-shm", "volume": {}} in spec["volumes"]
+    assert cpu["volumes"]["kv-shm"]["driver_opts"]["type"] == "tmpfs"
+
+
 def test_only_the_gateway_publishes_a_port(cpu: dict[str, Any]) -> None:
     published = {name: spec["ports"] for name, spec in cpu["services"].items() if "ports" in spec}
     assert published == {"gateway": [{"mode": "ingress", "target": 8000, "published": "8000", "protocol": "tcp"}]}

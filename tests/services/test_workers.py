@@ -179,7 +179,7 @@ async def test_a_reservation_whose_kv_never_comes_is_freed_and_the_gateway_told(
     )
     await gateway.bus.send(decode.inbox, offer)
     accept = await _read_one(gateway, gateway.keys.inbox(ghost))
-    assert accept == HandoffAccept("orphan", 0, decode.worker_id, needed_blocks=[0, 1, 2])
+    assert accept == HandoffAccept("orphan", 0, decode.worker_id, needed_blocks=[0, 1, 2], kv_shm=accept.kv_shm)
     await gateway.until_status(
         lambda ss: _status(ss, decode.worker_id).free_blocks == decode.total_blocks - 3, "decode", "the reservation"
     )
