@@ -179,6 +179,13 @@ class SharedMemoryKVConnector(KVConnector):
             return False
         return True
 
+    def refresh(self) -> None:
+        """Show that this worker is alive: a marker older than ttl_s is swept as a dead worker's."""
+        try:
+            os.utime(self._marker)
+        except OSError as e:
+            logger.warning("could not refresh the KV marker %s (%s); prefill workers may use Redis", self._marker, e)
+
     def withdraw(self) -> None:
         self._marker.unlink(missing_ok=True)
 
@@ -248,10 +255,11 @@ class SharedMemoryKVConnector(KVConnector):
         self._path_of(location).unlink(missing_ok=True)
 
     def sweep(self, now: float | None = None) -> int:
-        """Remove this deployment's transfers older than ttl_s; returns how many."""
+        """Remove this deployment's transfers and worker markers older than ttl_s (left by workers
+        that were killed; a live worker refreshes its marker every heartbeat); returns how many."""
         cutoff = (time.time() if now is None else now) - self.ttl_s
         removed = 0
-        for path in self.directory.glob(f"{self.prefix}kv-*"):
+        for path in [*self.directory.glob(f"{self.prefix}kv-*"), *self.directory.glob(f"{self.prefix}worker-*")]:
             try:
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
@@ -280,10 +288,14 @@ class KVTransports:
         if self.shm is not None:
             self.shm.withdraw()
 
+    def refresh(self) -> None:
+        if self.shm is not None:
+            self.shm.refresh()
+
     def sweep(self) -> None:
-        """Remove shared-memory transfers that outlived their TTL (their reader or writer died)."""
+        """Remove shared-memory transfers and markers that outlived their TTL (their worker died)."""
         if self.shm is not None and (removed := self.shm.sweep()):
-            logger.warning("removed %d abandoned KV transfers from %s", removed, self.shm.directory)
+            logger.warning("removed %d abandoned KV transfers or markers from %s", removed, self.shm.directory)
 
     @property
     def shm_token(self) -> str:

@@ -387,6 +387,7 @@ class Worker:
             self._beat_now.clear()
 
     async def _beat(self, num_beats: int) -> None:
+        self.kv.refresh()
         try:
             await self._publish_status()
             if num_beats % TRIM_EVERY_BEATS == 0:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from services.launcher import Stack, StackConfig
 from shared.protocol import WorkerStatus, decode
+from shared.settings import WorkerSettings
 from shared.streams import Keys
 from tests.services.stack_client import REDIS_URL
 
@@ -34,6 +36,9 @@ def running_stack(name: str, env: dict[str, str], **config: Any) -> Iterator[Sta
         for key in client.scan_iter(f"{stack_config.namespace}:*"):
             client.delete(key)
         client.close()
+        # what killed workers left in the KV directory (a live deployment sweeps it itself)
+        for path in Path(WorkerSettings().kv_shm_dir).glob(f"llmd-{stack_config.namespace}-*"):
+            path.unlink(missing_ok=True)
 
 
 def live_workers(rds: redis.Redis, keys: Keys, role: str) -> list[WorkerStatus]:

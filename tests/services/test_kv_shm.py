@@ -96,17 +96,23 @@ async def test_locations_outside_the_deployments_transfers_are_refused(shm: Shar
         await shm.get(location)
 
 
-async def test_sweep_removes_only_this_deployments_transfers_past_their_ttl(shm: SharedMemoryKVConnector) -> None:
+async def test_sweep_removes_only_this_deployments_files_past_their_ttl(shm: SharedMemoryKVConnector) -> None:
     old_path = Path((await shm.put("old", 0, torch.zeros(2))).removeprefix(SHM_SCHEME))
     fresh_path = Path((await shm.put("fresh", 0, torch.zeros(2))).removeprefix(SHM_SCHEME))
+    killed = SharedMemoryKVConnector(shm.directory, "ns", ttl_s=30)  # a worker killed without withdrawing
+    alive = SharedMemoryKVConnector(shm.directory, "ns", ttl_s=30)
     stranger = shm.directory / "llmd-other-kv-1-0"
+    for connector in (killed, alive):
+        assert connector.advertise()
     stranger.touch()
     an_hour_ago = time.time() - 3600
-    os.utime(old_path, (an_hour_ago, an_hour_ago))
-    os.utime(stranger, (an_hour_ago, an_hour_ago))
+    for path in (old_path, stranger, killed._marker, alive._marker):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    alive.refresh()  # each heartbeat
 
-    assert shm.sweep() == 1
-    assert not old_path.exists() and fresh_path.exists() and stranger.exists()
+    assert shm.sweep() == 2
+    assert not old_path.exists() and not killed._marker.exists()
+    assert fresh_path.exists() and alive._marker.exists() and stranger.exists()
 
 
 def test_workers_that_share_the_directory_find_each_others_marker(shm_dir: Path, tmp_path: Path) -> None:
