@@ -149,15 +149,16 @@ SHM_SCHEME = "shm:"
 
 class SharedMemoryKVConnector(KVConnector):
     """Transfers between workers that share a tmpfs directory (/dev/shm): one file per transfer,
-    written with one copy and read with one, where Redis costs a round trip per 8 MiB chunk and
-    copies through its own memory and two sockets.
+    written with one copy and mapped by the reader, where Redis costs a round trip per 8 MiB
+    chunk and copies through its own memory and two sockets.
 
     A file is `<header length: u32 LE><msgpack header as in Redis><the tensor's raw bytes>`,
     written under a temporary name and renamed, so a reader never sees half of one. Each
     worker also keeps an empty marker file, `<prefix>worker-<token>`: a prefill worker that
     finds the decode worker's marker in its own directory knows that they share it (containers
     on one host each have their own /dev/shm unless given one). Files have no TTL in a tmpfs, so
-    `sweep` removes transfers older than `ttl_s`, which a reader that died left behind.
+    `sweep` removes transfers older than `ttl_s`, which a reader that died left behind, and
+    markers not refreshed for as long, which a killed worker left behind.
     """
 
     def __init__(self, directory: str | Path, namespace: str, ttl_s: float) -> None:
