@@ -31,6 +31,7 @@ import os
 import secrets
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgpack
@@ -68,11 +69,11 @@ class KVConnector(ABC):
 CHUNK_BYTES = 8 * 2**20
 
 
-def pack_header(tensor: torch.Tensor, num_chunks: int) -> bytes:
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise TypeError(f"KV tensors of dtype {tensor.dtype} cannot be transferred")
-    return msgpack.packb({"dtype": dtype, "shape": list(tensor.shape), "chunks": num_chunks})
+def pack_header(dtype: torch.dtype, shape: Sequence[int], num_chunks: int) -> bytes:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"KV tensors of dtype {dtype} cannot be transferred")
+    return msgpack.packb({"dtype": name, "shape": list(shape), "chunks": num_chunks})
 
 
 def unpack_header(header: bytes) -> tuple[torch.dtype, tuple[int, ...], int]:
@@ -103,7 +104,7 @@ class RedisKVConnector(KVConnector):
         chunks = [data[start : start + self.chunk_bytes] for start in range(0, len(data), self.chunk_bytes)]
         # every call is a transaction that (re)sets the TTL: a blob never exists without one, even
         # should it expire between two chunks and an HSET create it afresh
-        await self._write(location, {"header": pack_header(tensor, len(chunks))}, replace=True)
+        await self._write(location, {"header": pack_header(tensor.dtype, tensor.shape, len(chunks))}, replace=True)
         for i, chunk in enumerate(chunks):
             await self._write(location, {f"data:{i}": chunk})
         return location
@@ -204,20 +205,43 @@ class SharedMemoryKVConnector(KVConnector):
         return path
 
     async def put(self, req_id: str, attempt: int, tensor: torch.Tensor) -> str:
+        def copy(out: torch.Tensor) -> None:
+            # a memcpy, not a torch copy: on a helper thread that would start a second OpenMP team
+            memoryview(out.view(torch.uint8).reshape(-1).numpy())[:] = tensor_bytes(tensor)
+
+        return await self.put_filled(req_id, attempt, tensor.shape, tensor.dtype, copy)
+
+    async def put_filled(
+        self, req_id: str, attempt: int, shape: Sequence[int], dtype: torch.dtype,
+        fill: Callable[[torch.Tensor], object],
+    ) -> str:
+        """A transfer whose bytes `fill(out)` writes into `out`, a tensor of that shape and dtype
+        over the file's own pages: the KV goes from the pool to shared memory in one copy, with
+        no buffer between to allocate and fault in. `fill` runs on a helper thread."""
         name = f"{self.prefix}kv-{secrets.token_hex(8)}-{attempt}"  # req ids come from clients: not in file names
         path = self.directory / name
-        await asyncio.to_thread(self._write, path, tensor)
+        await asyncio.to_thread(self._write, path, tuple(shape), dtype, fill)
         return SHM_SCHEME + str(path)
 
     @staticmethod
-    def _write(path: Path, tensor: torch.Tensor) -> None:
-        header = pack_header(tensor, 1)
+    def _write(path: Path, shape: tuple[int, ...], dtype: torch.dtype, fill: Callable[[torch.Tensor], object]) -> None:
+        header = pack_header(dtype, shape, 1)
+        num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         tmp = path.with_name(path.name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(len(header).to_bytes(4, "little"))
-                f.write(header)
-                f.write(tensor_bytes(tensor))
+            with open(tmp, "w+b") as f:
+                f.write(len(header).to_bytes(4, "little") + header)
+                f.flush()
+                offset = 4 + len(header)
+                if num_bytes:
+                    # every page now, or ENOSPC here: a full tmpfs would otherwise kill the process
+                    # with SIGBUS in the middle of the copy into the mapping
+                    os.posix_fallocate(f.fileno(), 0, offset + num_bytes)
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # map the pages in one call
+                    with mmap.mmap(f.fileno(), offset + num_bytes, flags=flags) as mapped:
+                        out = torch.frombuffer(mapped, dtype=torch.uint8, offset=offset, count=num_bytes)
+                        fill(out.view(dtype).view(shape))
+                        del out  # the mapping cannot close while a tensor still exports it
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -310,14 +334,19 @@ class KVTransports:
             return self.shm
         return self.redis
 
-    async def put(self, req_id: str, attempt: int, tensor: torch.Tensor, peer_shm_token: str) -> str:
+    async def put(
+        self, req_id: str, attempt: int, shape: Sequence[int], dtype: torch.dtype,
+        read: Callable[[torch.Tensor | None], torch.Tensor], peer_shm_token: str,
+    ) -> str:
+        """Store one transfer of `read(out)`'s bytes: `read` fills `out` (shared memory) or,
+        given None, returns a tensor of its own (Redis). It runs on a helper thread."""
         if self.shm is not None and self.shm.shares_with(peer_shm_token):
             try:
-                return await self.shm.put(req_id, attempt, tensor)
+                return await self.shm.put_filled(req_id, attempt, shape, dtype, read)
             except OSError as e:
                 logger.warning("KV of %s goes through Redis: writing it to %s failed (%s)", req_id,
                                self.shm.directory, e)
-        return await self.redis.put(req_id, attempt, tensor)
+        return await self.redis.put(req_id, attempt, await asyncio.to_thread(read, None))
 
     async def get(self, location: str) -> torch.Tensor:
         return await self._at(location).get(location)

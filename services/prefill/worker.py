@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine
@@ -332,10 +333,13 @@ class PrefillWorker(Worker):
         location, num_bytes = "", 0
         if needed:
             assert t.kv_block_ids is not None
-            # off the engine thread (see Engine.read_blocks): the copy does not wait for the step in progress
-            data = await asyncio.to_thread(self.engine.engine.read_blocks, [t.kv_block_ids[i] for i in needed])
-            num_bytes = data.numel() * data.element_size()
-            location = await self.kv.put(t.req_id, t.msg.attempt, data, t.decode_shm)
+            engine, block_ids = self.engine.engine, [t.kv_block_ids[i] for i in needed]
+            shape, dtype = engine.kv_blocks_shape(len(block_ids)), engine.kv_dtype
+            num_bytes = math.prod(shape) * dtype.itemsize
+            # the copy runs off the engine thread (see Engine.read_blocks): it does not wait for the step in progress
+            location = await self.kv.put(
+                t.req_id, t.msg.attempt, shape, dtype, lambda out: engine.read_blocks(block_ids, out), t.decode_shm
+            )
         if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
             await self.kv.discard(location)
             return

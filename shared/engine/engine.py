@@ -289,15 +289,24 @@ class Engine:
         """The pool blocks of a prefilled request, in table order; fixed until `release` or an abort."""
         return list(self.kv_cache.block_ids(self._prefilled(req_id).req_id))
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of pool blocks, as `read_kv_blocks` returns them.
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of pool blocks, as `read_kv_blocks` returns them, into `out` where given
+        (shaped `kv_blocks_shape`, in `kv_dtype`).
 
         Unlike every other method, this one may run on another thread while a step runs, for the
         blocks of a prefilled request: no step writes them (a prefilled request is never
         scheduled, and its shared full blocks are immutable) and none is freed before the
         request's `release` or abort. So a handoff's copy need not wait for a long prefill step.
         """
-        return self.runner.read_blocks(block_ids)
+        return self.runner.read_blocks(block_ids, out)
+
+    def kv_blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape `read_blocks` gives that many blocks."""
+        return self.runner.blocks_shape(num_blocks)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.runner.kv_cache.dtype
 
     def release(self, req_id: str) -> None:
         """Drop a prefilled request after handoff; its full blocks stay in the prefix cache."""

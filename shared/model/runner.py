@@ -129,19 +129,26 @@ class ModelRunner:
     # block at a time: a torch op there would start a second OpenMP team in the process, and from
     # then on libgomp (more threads than CPUs) all but stops spin-waiting between parallel regions,
     # which made every later decode step 2-3x slower.
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """KV of the given blocks, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] on the CPU."""
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """KV of the given blocks, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] on the CPU:
+        into `out` (contiguous, that shape and the pool's dtype) where given, else a new tensor."""
+        shape = self.blocks_shape(len(block_ids))
+        if out is not None and (tuple(out.shape) != shape or out.dtype != self.kv_cache.dtype
+                                or out.device.type != "cpu" or not out.is_contiguous()):
+            raise ValueError(f"KV block buffer is {out.dtype}{list(out.shape)} on {out.device}, expected a contiguous "
+                             f"{self.kv_cache.dtype}{list(shape)} on the CPU")
         if self.device.type != "cpu":
             index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-            return self.kv_cache.index_select(2, index).movedim(2, 0).contiguous().cpu()
-        out = torch.empty(self._blocks_shape(len(block_ids)), dtype=self.kv_cache.dtype)
+            blocks = self.kv_cache.index_select(2, index).movedim(2, 0)
+            return blocks.contiguous().cpu() if out is None else out.copy_(blocks)
+        out = torch.empty(shape, dtype=self.kv_cache.dtype) if out is None else out
         pool, dst = _bits(self.kv_cache), _bits(out)
         for i, block in enumerate(block_ids):
             dst[i] = pool[:, :, block]
         return out
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        expected = self._blocks_shape(len(block_ids))
+        expected = self.blocks_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
         if self.device.type != "cpu" or data.dtype != self.kv_cache.dtype:
@@ -152,7 +159,7 @@ class ModelRunner:
         for i, block in enumerate(block_ids):
             pool[:, :, block] = src[i]
 
-    def _blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
+    def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
 
 

@@ -49,6 +49,21 @@ def test_blocks_read_from_one_pool_land_bitwise_in_another(loaded_model: LoadedM
     assert torch.equal(target_pool, expected)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_read_into_a_given_buffer_are_the_same_bytes(loaded_model: LoadedModel, dtype: str) -> None:
+    engine = make_engine(loaded_model, dtype)
+    filled(engine, 3)
+    buffer = torch.empty(engine.kv_blocks_shape(3), dtype=engine.kv_dtype)
+
+    out = engine.read_blocks([4, 1, 8], buffer)
+
+    assert out is buffer and torch.equal(buffer, engine.read_blocks([4, 1, 8]))
+    with pytest.raises(ValueError, match=r"KV block buffer is torch.float16\[.*\] on cpu, expected a contiguous"):
+        engine.read_blocks([4, 1, 8], buffer.half())
+    with pytest.raises(ValueError, match="expected a contiguous"):
+        engine.read_blocks([4, 1], buffer)
+
+
 def test_blocks_of_another_dtype_are_converted_on_write(loaded_model: LoadedModel) -> None:
     source, target = make_engine(loaded_model, "bfloat16"), make_engine(loaded_model, "float32")
     source_pool = filled(source, 2)
@@ -77,4 +92,5 @@ def test_copies_on_a_helper_thread_start_no_openmp_threads(loaded_model: LoadedM
         threads_before = num_threads()
         data = helper.submit(source.read_blocks, list(range(16))).result()
         helper.submit(target.write_blocks, list(range(16, 32)), data).result()
+        helper.submit(source.read_blocks, list(range(16)), torch.empty_like(data)).result()
         assert num_threads() == threads_before

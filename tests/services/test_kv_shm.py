@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -144,8 +144,8 @@ async def test_transports_use_shared_memory_only_with_a_worker_that_shares_it(bu
     decode.start()
     kv = torch.randn(2, 5)
 
-    shared = await prefill.put("r", 0, kv, peer_shm_token=decode.shm_token)
-    apart = await prefill.put("r", 1, kv, peer_shm_token="")
+    shared = await prefill.put("r", 0, kv.shape, kv.dtype, reader_of(kv), peer_shm_token=decode.shm_token)
+    apart = await prefill.put("r", 1, kv.shape, kv.dtype, reader_of(kv), peer_shm_token="")
 
     assert shared.startswith(SHM_SCHEME) and apart == bus.keys.kv_blob("r", 1)
     for location in (shared, apart):
@@ -163,17 +163,45 @@ async def test_a_failed_shared_memory_write_goes_through_redis(bus: Bus, shm_dir
     prefill = KVTransports(RedisKVConnector(bus.redis, bus.keys, ttl_s=30),
                            SharedMemoryKVConnector(shm_dir / "full", "ns", ttl_s=30))
     prefill.shm.directory = shm_dir  # sees the marker ...
-    prefill.shm.put = _raises_enospc  # type: ignore[method-assign]  # ... but the tmpfs is full
+    prefill.shm.put_filled = _raises_enospc  # type: ignore[method-assign]  # ... but the tmpfs is full
+    kv = torch.ones(3)
 
-    location = await prefill.put("r", 0, torch.ones(3), peer_shm_token=decode.shm_token)
+    location = await prefill.put("r", 0, kv.shape, kv.dtype, reader_of(kv), peer_shm_token=decode.shm_token)
 
     assert location == bus.keys.kv_blob("r", 0)
     assert torch.equal(await decode.get(location), torch.ones(3))
     assert "goes through Redis" in caplog.text and "No space left" in caplog.text
 
 
-async def _raises_enospc(req_id: str, attempt: int, tensor: torch.Tensor) -> str:
+async def _raises_enospc(*args: object) -> str:
     raise OSError(28, "No space left on device")
+
+
+def reader_of(kv: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    """What the prefill worker passes for its pool's blocks: fill `out`, or return a tensor."""
+    return lambda out: kv.clone() if out is None else out.copy_(kv)
+
+
+async def test_a_filled_transfer_is_written_in_place_and_a_failed_fill_leaves_nothing(
+    shm: SharedMemoryKVConnector,
+) -> None:
+    kv = torch.randn(KV_SHAPE, generator=torch.Generator().manual_seed(1)).bfloat16()
+    seen: list[tuple[torch.Size, torch.dtype, bool]] = []
+
+    def fill(out: torch.Tensor) -> None:
+        seen.append((out.shape, out.dtype, out.is_contiguous()))
+        out.copy_(kv)
+
+    location = await shm.put_filled("r", 0, kv.shape, kv.dtype, fill)
+    assert seen == [(kv.shape, torch.bfloat16, True)]
+    assert torch.equal((await shm.get(location)).view(torch.int16), kv.view(torch.int16))
+
+    def fail(out: torch.Tensor) -> None:
+        raise RuntimeError("the pool read failed")
+
+    with pytest.raises(RuntimeError, match="the pool read failed"):
+        await shm.put_filled("r", 1, kv.shape, kv.dtype, fail)
+    assert [p.name for p in shm.directory.iterdir()] == [Path(location.removeprefix(SHM_SCHEME)).name]
 
 
 async def test_a_worker_without_shared_memory_refuses_a_shared_memory_location(bus: Bus) -> None:
