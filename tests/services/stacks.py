@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,18 @@ def running_stack(name: str, env: dict[str, str], **config: Any) -> Iterator[Sta
         # what killed workers left in the KV directory (a live deployment sweeps it itself)
         for path in Path(WorkerSettings().kv_shm_dir).glob(f"llmd-{stack_config.namespace}-*"):
             path.unlink(missing_ok=True)
+
+
+def request_holders(rds: redis.Redis, keys: Keys, role: str, timeout_s: float = 5.0) -> list[str]:
+    """The live workers of `role` running a request, waiting up to timeout_s for a heartbeat that
+    shows one: a worker reports its load once a heartbeat, and a fast decode streams several
+    tokens of a request that started within the last one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holders = [s.worker_id for s in live_workers(rds, keys, role) if s.num_running > 0]
+        if holders or time.monotonic() > deadline:
+            return holders
+        time.sleep(0.02)
 
 
 def live_workers(rds: redis.Redis, keys: Keys, role: str) -> list[WorkerStatus]:

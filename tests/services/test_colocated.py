@@ -29,7 +29,7 @@ from shared.settings import (
     WorkerSettings,
 )
 from shared.streams import PREFILL_GROUP, Keys
-from tests.services.stacks import FAST_HEARTBEAT, live_workers, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, live_workers, request_holders, running_stack
 from tests.services.test_e2e import token_texts
 from tests.services.test_faults import BOUND_S, until
 
@@ -179,7 +179,7 @@ def test_a_colocated_worker_killed_mid_generation_has_its_request_rerun_by_the_o
     def kill_holder(num_chunks: int) -> None:
         if num_chunks != 8 or victims:
             return
-        holders = [s.worker_id for s in live_colocated(rds, stack.keys) if s.num_running > 0]
+        holders = request_holders(rds, stack.keys, "colocated")
         assert len(holders) == 1, f"expected one worker holding the request, got {holders}"
         victims.append(holders[0])
         assert stack.stop_worker(holders[0], signal.SIGKILL) < 0

@@ -15,7 +15,7 @@ from openai import OpenAI
 from services.launcher import Stack
 from shared.protocol import WorkerStatus
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
-from tests.services.stacks import FAST_HEARTBEAT, live_workers, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, live_workers, request_holders, running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -85,7 +85,7 @@ def test_a_decode_worker_killed_mid_generation_has_its_request_migrated_seamless
     def kill_holder(num_chunks: int) -> None:
         if num_chunks != 8 or victims:
             return
-        holders = [s.worker_id for s in live_decode(rds, keys) if s.num_running > 0]
+        holders = request_holders(rds, keys, "decode")
         assert len(holders) == 1, f"expected one decode worker holding the request, got {holders}"
         victims.append(holders[0])
         assert stack.stop_worker(holders[0], signal.SIGKILL) < 0
