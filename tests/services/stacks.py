@@ -37,9 +37,14 @@ def running_stack(name: str, env: dict[str, str], **config: Any) -> Iterator[Sta
         for key in client.scan_iter(f"{stack_config.namespace}:*"):
             client.delete(key)
         client.close()
-        # what killed workers left in the KV directory (a live deployment sweeps it itself)
-        for path in Path(WorkerSettings().kv_shm_dir).glob(f"llmd-{stack_config.namespace}-*"):
-            path.unlink(missing_ok=True)
+        remove_kv_files(stack_config.namespace)
+
+
+def remove_kv_files(namespace: str) -> None:
+    """What killed workers of a test deployment left in the KV directory (a live deployment
+    sweeps it itself, but a test's namespace ends with the test)."""
+    for path in Path(WorkerSettings().kv_shm_dir).glob(f"llmd-{namespace}-*"):
+        path.unlink(missing_ok=True)
 
 
 def request_holders(rds: redis.Redis, keys: Keys, role: str, timeout_s: float = 5.0) -> list[str]:

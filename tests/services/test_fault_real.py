@@ -11,6 +11,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from shared.protocol import Cancel
 from shared.settings import RedisSettings
 from shared.streams import PREFILL_GROUP, Bus
 from tests.services.stack_client import REDIS_URL
-from tests.services.stacks import FAST_HEARTBEAT
+from tests.services.stacks import FAST_HEARTBEAT, remove_kv_files
 from tests.services.test_faults import BOUND_S, assert_clean, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -47,6 +48,15 @@ def config(redis_url: str, num_prefill: int, num_decode: int) -> StackConfig:
         namespace=f"test-fault-real-{uuid.uuid4().hex[:8]}", dtype="float32",
         env={"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), "LLMD_LOG_LEVEL": "WARNING", **FAST_HEARTBEAT},
     )  # fmt: skip
+
+
+@contextmanager
+def fault_stack(config: StackConfig) -> Iterator[Stack]:
+    try:
+        with Stack(config) as stack:
+            yield stack
+    finally:
+        remove_kv_files(config.namespace)  # the killed workers' markers
 
 
 def openai_client(stack: Stack) -> OpenAI:
@@ -92,7 +102,7 @@ def join(threads: list[threading.Thread]) -> None:
 
 
 def test_a_prefill_worker_killed_holding_pending_requests_loses_and_doubles_nothing() -> None:
-    with Stack(config(REDIS_URL, num_prefill=2, num_decode=1)) as stack, openai_client(stack) as client:
+    with fault_stack(config(REDIS_URL, num_prefill=2, num_decode=1)) as stack, openai_client(stack) as client:
         rds = redis.Redis.from_url(REDIS_URL)
         try:
             model = client.models.list().data[0].id
@@ -125,7 +135,7 @@ def test_a_prefill_worker_killed_holding_pending_requests_loses_and_doubles_noth
 
 
 def test_workers_and_gateway_recover_when_redis_restarts_empty(redis_server: RedisServer) -> None:
-    with Stack(config(redis_server.url, num_prefill=1, num_decode=1)) as stack, openai_client(stack) as client:
+    with fault_stack(config(redis_server.url, num_prefill=1, num_decode=1)) as stack, openai_client(stack) as client:
         model = client.models.list().data[0].id
         prompt = "Once upon a time, in a village by the sea,"
         expected = greedy(client, model, prompt)
