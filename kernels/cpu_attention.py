@@ -1,4 +1,5 @@
-"""Paged decode attention for float32 and bfloat16 on the CPU: csrc/paged_decode_attention.c through ctypes.
+"""Paged attention for float32 and bfloat16 on the CPU, through ctypes: decode requests in
+csrc/paged_decode_attention.c, prefill chunks in csrc/paged_prefill_attention.c.
 
 Built on first use for this CPU (see `kernels.cpu_build`); where it cannot be built, `load()`
 logs why once and returns None, and the callers run the PyTorch reference.
@@ -14,6 +15,7 @@ import torch
 from kernels.cpu_build import CSRC, load_functions, profiled
 
 SOURCE = CSRC / "paged_decode_attention.c"
+PREFILL_SOURCE = CSRC / "paged_prefill_attention.c"
 # -ffast-math lets gcc vectorise the reductions and call glibc's vector expf; the kernel has
 # no infinities or NaNs to lose (it takes its maximum over real scores only)
 COMPILE_FLAGS = ("-ffast-math",)
@@ -28,7 +30,16 @@ _ARGTYPES = [
     _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, heads, kv heads, head_dim, block_size
     ctypes.c_float, _INT32,  # scale, dtype code
 ]
-# the kernel's dtype codes; it computes in float32 for both
+_PREFILL_ARGTYPES = [
+    _PTR, _INT64, _INT64,  # out, strides (token, head)
+    _PTR, _INT64, _INT64,  # q, strides (token, head)
+    _PTR, _INT64, _INT64, _INT64,  # k_cache, strides (block, token, head)
+    _PTR, _INT64, _INT64, _INT64,  # v_cache, strides (block, token, head)
+    _PTR, _INT64, _PTR, _PTR,  # block_tables, its row stride, seq_lens, query_start_loc
+    _INT32, _INT32, _INT32, _INT32, _INT32,  # reqs, heads, kv heads, head_dim, block_size
+    ctypes.c_float, _INT32, _INT32,  # scale, dtype code, min_query_len
+]
+# the kernels' dtype codes; they compute in float32 for both
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # it works on 16 lanes: head_dim and block_size must be multiples of that
 LANES = 16
@@ -42,6 +53,13 @@ def load() -> ctypes.CDLL | None:
         "paged_decode_attention": _ARGTYPES,
         "paged_decode_attention_uses_amx": [_INT32] * 5,  # head_dim, heads, kv heads, block_size, dtype code
     })
+
+
+@functools.cache
+def load_prefill() -> ctypes.CDLL | None:
+    """The compiled prefill kernel, as `load`."""
+    return load_functions(PREFILL_SOURCE, COMPILE_FLAGS, "CPU prefill attention",
+                          {"paged_prefill_attention": _PREFILL_ARGTYPES})
 
 
 def runs_on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -112,4 +130,46 @@ def paged_decode_attention(
         )
     if failed:  # 2 (arguments it does not take) is ruled out above
         raise MemoryError(f"the CPU decode attention kernel could not allocate scratch for {int(seq_lens.max())} keys")
+    return out
+
+
+def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_prefill_attention` can take this query and cache, with the kernel built."""
+    return _unsupported(q, k_cache) is None and load_prefill() is not None
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
+    min_query_len: int = 1,
+) -> torch.Tensor:
+    """Requests with at least `min_query_len` query rows, written into `out` (the others' rows are
+    left as they are): the packed q [num_tokens, num_heads, head_dim] of
+    `kernels.paged_attention.paged_attention`, already checked there."""
+    lib = load_prefill()
+    if lib is None:
+        raise RuntimeError(f"the CPU prefill attention kernel is not built (see the warning logged for {PREFILL_SOURCE})")
+    if (reason := _unsupported(q, k_cache)) is not None:
+        raise ValueError(reason)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {q.dtype} {list(q.shape)} with a contiguous last dim, got {out.dtype} "
+                         f"{list(out.shape)} strides {out.stride()}")
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    with profiled("llmd::paged_prefill_attention"):
+        failed = lib.paged_prefill_attention(
+            out.data_ptr(), out.stride(0), out.stride(1),
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), *k_cache.stride()[:3],
+            v_cache.data_ptr(), *v_cache.stride()[:3],
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+            seq_lens.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+            DTYPE_CODES[q.dtype], min_query_len,
+        )
+    if failed == 2:
+        raise ValueError(f"the CPU prefill attention kernel does not take {q.shape[1]} query heads over "
+                         f"{k_cache.shape[2]} kv heads (at most 64 a group)")
+    if failed:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
     return out

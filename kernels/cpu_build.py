@@ -2,7 +2,7 @@
 
 A source is compiled on first use with the machine's C compiler (`$CC`, else `cc`), for
 this CPU (-march=native), into `${XDG_CACHE_HOME:-~/.cache}/llmd/kernels/`; the file name
-carries a hash of the source, the flags and the CPU, so an edit or another machine builds
+carries a hash of the source, the headers beside it, the flags and the CPU, so an edit or another machine builds
 afresh. The libraries link the OpenMP runtime that torch has already loaded, so they run on
 torch's threads (`torch.set_num_threads` applies). Where no compiler is found or the build
 fails, `load_library` logs why and returns None, and the callers run the PyTorch references.
@@ -46,7 +46,9 @@ def _cpu_signature() -> str:
 def _build(source: Path, compiler: str, extra_flags: tuple[str, ...]) -> Path:
     compile_flags = BASE_COMPILE_FLAGS + extra_flags
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(compile_flags + LINK_FLAGS).encode(),
+    # every header beside the source counts: an edit to one that it includes builds afresh
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, compiler.encode(), " ".join(compile_flags + LINK_FLAGS).encode(),
                  _cpu_signature().encode()):
         digest.update(part)
     target = cache_dir("kernels") / f"{source.stem}-{digest.hexdigest()[:16]}.so"

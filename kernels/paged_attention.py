@@ -417,9 +417,9 @@ def paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
 ) -> torch.Tensor:
-    """On the CPU: one-query (decode) requests run the C kernel, which reads the cache
-    in place; longer ones (prefill chunks) run the reference, where SDPA's matrix products pay
-    for the gather."""
+    """On the CPU: one-query (decode) requests run the decode kernel, longer ones (prefill
+    chunks) the prefill kernel, both reading the cache in place; the reference where the
+    prefill kernel is not built."""
     if max_query_len == 1:
         return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     out = torch.empty_like(q)
@@ -429,5 +429,9 @@ def paged_attention_cpu(
         rows = query_start_loc[decoding].long()
         out[rows] = cpu_attention.paged_decode_attention(
             q[rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale
+        )
+    if cpu_attention.prefill_supported(q, k_cache):
+        return cpu_attention.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, min_query_len=2
         )
     return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, min_query_len=2)

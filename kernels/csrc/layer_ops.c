@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lanes.h"
+
 #define DTYPE_F32 0
 #define DTYPE_BF16 1
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -57,16 +59,7 @@ ALWAYS_INLINE void store(void *base, int64_t i, float v, int dtype) {
 /* The value as the model dtype holds it. */
 ALWAYS_INLINE float rounded(float v, int dtype) { return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
-/* The same, LANES elements at a time, written with GCC vector extensions: one AVX-512
- * register, else one AVX2 register (two NEON ones). */
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
-typedef float vfloat __attribute__((vector_size(4 * LANES)));
-typedef uint32_t vuint __attribute__((vector_size(4 * LANES)));
-typedef uint16_t vhalf __attribute__((vector_size(2 * LANES)));
+/* The same, LANES elements at a time (lanes.h), written with GCC vector extensions. */
 
 ALWAYS_INLINE vfloat vload(const void *base, int64_t i, int dtype) {
     vfloat v;

@@ -33,11 +33,9 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
+#include "lanes.h"
+#include "paged_args.h"
+
 #define TILE 16
 #define MAX_HEAD_DIM 256
 /* accumulators of one output chunk: half the register file on AVX2, a quarter on AVX-512 */
@@ -45,54 +43,6 @@
 /* work items per thread below which a request's kv heads are split into items of their own */
 #define ITEMS_PER_THREAD 4
 
-typedef float vfloat __attribute__((vector_size(4 * LANES)));
-typedef uint32_t vuint __attribute__((vector_size(4 * LANES)));
-typedef int32_t vint __attribute__((vector_size(4 * LANES)));
-typedef uint16_t vhalf __attribute__((vector_size(2 * LANES)));
-
-typedef struct {
-    void *out;
-    int64_t out_stride_r, out_stride_h;
-    const void *q;
-    int64_t q_stride_r, q_stride_h;
-    const void *k_cache;
-    int64_t kc_stride_b, kc_stride_t, kc_stride_h;
-    const void *v_cache;
-    int64_t vc_stride_b, vc_stride_t, vc_stride_h;
-    const int32_t *block_tables;
-    int64_t bt_stride;
-    const int32_t *seq_lens;
-    int32_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_seq_len;
-    float scale;
-} DecodeArgs;
-
-/* Elements i .. i+15 of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as floats. */
-static inline __attribute__((always_inline)) vfloat load_lanes(const void *base, int64_t i, const int bf16)
-{
-    vfloat v;
-    if (!bf16) {
-        memcpy(&v, (const float *)base + i, sizeof v);
-        return v;
-    }
-    vhalf h;
-    memcpy(&h, (const uint16_t *)base + i, sizeof h);
-    const vuint bits = __builtin_convertvector(h, vuint) << 16;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void store_lanes(void *base, int64_t i, vfloat v, const int bf16)
-{
-    if (!bf16) {
-        memcpy((float *)base + i, &v, sizeof v);
-        return;
-    }
-    vuint bits;
-    memcpy(&bits, &v, sizeof bits);
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even; no NaNs reach here */
-    const vhalf h = __builtin_convertvector(bits >> 16, vhalf);
-    memcpy((uint16_t *)base + i, &h, sizeof h);
-}
 
 /* One round of the shuffle tree: a[k] = lo(a[2k], a[2k+1]) + hi(a[2k], a[2k+1]) for k < pairs,
  * the masks picking the two halves of every segment. */
@@ -218,7 +168,7 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
  * 32 x 1024 tokens on 2 Zen 3 cores: 3.1 -> 2.7 ms); a tile's prefetches all issued at once
  * before its arithmetic gained nothing there. On the last tile `next` is the tile itself. */
 static inline __attribute__((always_inline)) void attend(
-    const DecodeArgs *a, int32_t r, int32_t g0, int32_t ng, const int head_dim, const int bf16,
+    const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, const int head_dim, const int bf16,
     float *restrict q_f32, float *restrict scores, int64_t s_stride, float *restrict acc, float *restrict tile)
 {
     const int group = a->num_heads / a->num_kv_heads;
@@ -406,7 +356,7 @@ static inline __attribute__((always_inline)) void prefetch_tile(
 
 /* Tiles: scores pass 0 = scores^T, 1 = key rows, 2 = query pairs; values pass 0-3 = output
  * (16 dims each), 4 = P's bf16 part, 5 = its remainder, 6 = value pairs. */
-static void attend_amx(const DecodeArgs *a, int32_t r, int32_t g0, int32_t ng, float *restrict scores,
+static void attend_amx(const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, float *restrict scores,
                        int64_t s_stride)
 {
     const int group = a->num_heads / a->num_kv_heads;
@@ -543,10 +493,10 @@ int paged_decode_attention_uses_amx(int32_t head_dim, int32_t num_heads, int32_t
     return amx_takes(dtype, head_dim, num_heads / num_kv_heads, block_size);
 }
 
-typedef void (*AttendFn)(const DecodeArgs *, int32_t, int32_t, int32_t, float *, float *, int64_t, float *, float *);
+typedef void (*AttendFn)(const PagedArgs *, int32_t, int32_t, int32_t, float *, float *, int64_t, float *, float *);
 
 #define SPECIALISE(name, head_dim, bf16)                                                                   \
-    static void name(const DecodeArgs *a, int32_t r, int32_t g0, int32_t ng, float *q_f32, float *scores, \
+    static void name(const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, float *q_f32, float *scores, \
                      int64_t s_stride, float *acc, float *tile)                                            \
     {                                                                                                      \
         attend(a, r, g0, ng, head_dim, bf16, q_f32, scores, s_stride, acc, tile);                          \
@@ -580,10 +530,10 @@ int paged_decode_attention(
             return 3;
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
     }
-    const DecodeArgs args = {
+    const PagedArgs args = {
         out, out_stride_r, out_stride_h, q, q_stride_r, q_stride_h,
         k_cache, kc_stride_b, kc_stride_t, kc_stride_h, v_cache, vc_stride_b, vc_stride_t, vc_stride_h,
-        block_tables, bt_stride, seq_lens, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
+        block_tables, bt_stride, seq_lens, NULL, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
         max_seq_len, scale,
     };
     const AttendFn kernels[2][3] = {

@@ -88,8 +88,9 @@ def test_split_decode_equals_single_partition_decode(triton_device: str) -> None
 
 @pytest.fixture
 def cpu_kernel() -> None:
-    """The C kernel must build wherever a compiler exists; without one the reference runs."""
+    """The C kernels must build wherever a compiler exists; without one the reference runs."""
     require_built(cpu_attention.load, "the CPU attention kernel")
+    require_built(cpu_attention.load_prefill, "the CPU prefill attention kernel")
 
 
 # head_dim 80 takes the kernel's generic path; 64 and 128 its specialised ones
@@ -97,10 +98,17 @@ def cpu_kernel() -> None:
 CPU_EXTRA_CASES: list[Case] = [
     ([5, 90, 33], [1] * 3, 10, 2, 80, 16), ([300, 1, 47], [1, 1, 1], 9, 3, 64, 16), ([40, 17], [1, 1], 4, 2, 32, 16),
 ]
+# prefill chunks over the prefill kernel's work items (64 query tokens) and key tiles: several
+# items, a cached prefix ending mid-tile, a lone query row past the groups of 4, head_dim 80
+CPU_EXTEND_CASES: list[Case] = [
+    ([150, 1, 64], [150, 1, 64], 9, 3, 64, 16),
+    ([203, 70], [131, 2], 6, 2, 80, 32),
+    ([33], [5], 1, 1, 32, 16),
+]
 
 
 @pytest.mark.parametrize(
-    "case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES, ids=_case_id
+    "case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES + CPU_EXTEND_CASES, ids=_case_id
 )
 def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
     batch = _batch(case, torch.float32)
@@ -109,13 +117,14 @@ def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
 
 
-# decode only: longer queries run the bf16 reference, which rounds on the way
-@pytest.mark.parametrize("case", DECODE_CASES + SPLIT_DECODE_CASES + CPU_EXTRA_CASES, ids=_case_id)
+@pytest.mark.parametrize(
+    "case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES + CPU_EXTEND_CASES, ids=_case_id
+)
 def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel: None) -> None:
     batch = _batch(case, torch.bfloat16)
     out = paged_attention_cpu(*batch.args)
     assert out.dtype == torch.bfloat16 and out.shape == batch.q.shape
-    # the same bf16 values attended in float32: the kernel only rounds the output, so it sits
+    # the same bf16 values attended in float32: both kernels only round the output, so they sit
     # within one bf16 ulp (2**-8 relative) of this, closer than the bf16 reference gets
     upcast = [t.float() if t.is_floating_point() else t for t in batch.args[:-2]]
     exact = paged_attention_ref(*upcast, *batch.args[-2:])
@@ -207,6 +216,25 @@ def test_shapes_the_cpu_kernel_does_not_take_run_the_reference(case: Case, messa
         cpu_attention.paged_decode_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.scale
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_kernel_writes_only_the_rows_of_long_enough_requests(dtype: torch.dtype, cpu_kernel: None) -> None:
+    batch = _batch(EXTEND_CASES[2], dtype)  # query rows 1, 40 and 30
+    out = torch.full_like(batch.q, 7.0)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    cpu_attention.paged_prefill_attention(*args, batch.scale, out, min_query_len=2)
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))  # the decode request's row: the decode kernel's
+    torch.testing.assert_close(out[1:], paged_attention_ref(*batch.args)[1:], **TOLERANCES[dtype])
+
+
+def test_prefill_kernel_refuses_what_it_does_not_take(cpu_kernel: None) -> None:
+    batch = _batch(([20], [20], 65, 1, 64, 16), torch.float32)  # 65 query heads on one kv head
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    with pytest.raises(ValueError, match="65 query heads over 1 kv heads"):
+        cpu_attention.paged_prefill_attention(*args, batch.scale, torch.empty_like(batch.q))
+    with pytest.raises(ValueError, match="out must be torch.float32 \\[20, 65, 64\\]"):
+        cpu_attention.paged_prefill_attention(*args, batch.scale, torch.empty(20, 65, 32))
 
 
 def test_cpu_kernel_rejects_an_empty_context(cpu_kernel: None) -> None:
