@@ -46,7 +46,8 @@ bench-prefix-cache: install
 bench-handoff: install
 	$(PY) -m bench.handoff $(ARGS)
 
-# ARGS="--llama-server /path/to/llama-server" adds llama.cpp's server (docs/benchmarks.md says how to build it)
+# ARGS="--vllm ENV/bin/python" adds vLLM's CPU build, ARGS="--llama-server /path/to/llama-server" llama.cpp's
+# server (docs/benchmarks.md says how to install each)
 bench-side-by-side: install
 	$(PY) -m bench.side_by_side $(ARGS)
 
