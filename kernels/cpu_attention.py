@@ -58,8 +58,20 @@ def load() -> ctypes.CDLL | None:
 @functools.cache
 def load_prefill() -> ctypes.CDLL | None:
     """The compiled prefill kernel, as `load`."""
-    return load_functions(PREFILL_SOURCE, COMPILE_FLAGS, "CPU prefill attention",
-                          {"paged_prefill_attention": _PREFILL_ARGTYPES})
+    return load_functions(PREFILL_SOURCE, COMPILE_FLAGS, "CPU prefill attention", {
+        "paged_prefill_attention": _PREFILL_ARGTYPES,
+        "paged_prefill_attention_uses_bf16_dot": [_INT32, _INT32],  # head_dim, dtype code
+    })
+
+
+def prefill_uses_bf16_dot(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `paged_prefill_attention` multiplies this query and cache with AVX512-BF16's dot
+    products (bf16, head_dim a multiple of 32, a CPU that has them), which take the softmax
+    weights rounded to bf16 as PyTorch's bf16 flash attention does; elsewhere it keeps float32."""
+    lib = load_prefill()
+    if lib is None or _unsupported(q, k_cache) is not None:
+        return False
+    return bool(lib.paged_prefill_attention_uses_bf16_dot(q.shape[-1], DTYPE_CODES[q.dtype]))
 
 
 def runs_on_amx(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
