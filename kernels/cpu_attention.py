@@ -121,19 +121,10 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if num_reqs == 0:
         return out
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    seq_lens = seq_lens.contiguous()
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim, got strides {cache.stride()}")
+    q, block_tables, seq_lens = _contiguous_rows(q), _contiguous_rows(block_tables), seq_lens.contiguous()
     with profiled("llmd::paged_decode_attention"):
         failed = lib.paged_decode_attention(
-            out.data_ptr(), out.stride(0), out.stride(1),
-            q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), *k_cache.stride()[:3],
-            v_cache.data_ptr(), *v_cache.stride()[:3],
-            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+            *_paged_args(out, q, k_cache, v_cache, block_tables), seq_lens.data_ptr(),
             num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, DTYPE_CODES[q.dtype],
         )
     if failed == 3:
@@ -166,16 +157,11 @@ def paged_prefill_attention(
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {q.dtype} {list(q.shape)} with a contiguous last dim, got {out.dtype} "
                          f"{list(out.shape)} strides {out.stride()}")
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, block_tables = _contiguous_rows(q), _contiguous_rows(block_tables)
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     with profiled("llmd::paged_prefill_attention"):
         failed = lib.paged_prefill_attention(
-            out.data_ptr(), out.stride(0), out.stride(1),
-            q.data_ptr(), q.stride(0), q.stride(1),
-            k_cache.data_ptr(), *k_cache.stride()[:3],
-            v_cache.data_ptr(), *v_cache.stride()[:3],
-            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+            *_paged_args(out, q, k_cache, v_cache, block_tables), seq_lens.data_ptr(), query_start_loc.data_ptr(),
             seq_lens.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
             DTYPE_CODES[q.dtype], min_query_len,
         )
@@ -185,3 +171,24 @@ def paged_prefill_attention(
     if failed:
         raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
     return out
+
+
+def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _paged_args(
+    out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, ...]:
+    """The arguments both kernels start with (paged_args.h): out, q, the caches and the block
+    table, each a pointer and its strides. The caller keeps the tensors alive through the call,
+    q and the table contiguous in their last dim (`_contiguous_rows`); a cache that is not is
+    refused by name."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {cache.stride()}")
+    return (
+        out.data_ptr(), out.stride(0), out.stride(1), q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3],
+        block_tables.data_ptr(), block_tables.stride(0),
+    )
