@@ -137,7 +137,12 @@ class Generation:
         )
 
     async def __aenter__(self) -> Generation:
-        await self._gw.dispatcher.submit([c.req for c in self._choices.values()])
+        try:
+            await self._gw.dispatcher.submit([c.req for c in self._choices.values()])
+        except asyncio.CancelledError:
+            # the client left mid-submit, perhaps after the XADD reached Redis; no __aexit__ follows
+            self.abandon("client_disconnected")
+            raise
         self._gw.metrics.request_queue_time.observe(time.monotonic() - self._arrived_at)
         self._gw.metrics.prompt_tokens.inc(self.usage.prompt_tokens)
         return self

@@ -29,6 +29,7 @@ from shared.streams import Bus
 from shared.text.tokenizer import Tokenizer
 
 from services.gateway.app import create_app
+from services.gateway.dispatcher import Dispatcher
 from services.gateway.inflight import InflightRequest
 from services.gateway.planner import sample_seed
 
@@ -346,6 +347,24 @@ async def test_client_disconnect_before_any_token_cancels_on_every_prefill_worke
     call.cancel()
     for prefill_id in ("prefill-a", "prefill-b"):
         assert await eventually(lambda: worker.inbox(prefill_id)) == [Cancel(req.req_id, "client disconnected")]
+    assert await bus.redis.exists(bus.keys.cancelled(req.req_id))
+
+
+async def test_a_client_that_leaves_while_its_request_is_being_queued_still_cancels_it(
+    client: TestClient, worker: FakeWorker, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = Dispatcher.submit
+
+    async def queued_then_slow_to_return(self: Dispatcher, reqs: list[InflightRequest]) -> None:
+        await queue(self, reqs)
+        await asyncio.Event().wait()  # the XADD went out; the client leaves before the gateway resumes
+
+    monkeypatch.setattr(Dispatcher, "submit", queued_then_slow_to_return)
+    await worker.heartbeat("prefill", "prefill-a")
+    call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "Hello"}))
+    req = await worker.next_request()
+    call.cancel()
+    assert await eventually(lambda: worker.inbox("prefill-a")) == [Cancel(req.req_id, "client disconnected")]
     assert await bus.redis.exists(bus.keys.cancelled(req.req_id))
 
 
