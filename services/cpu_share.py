@@ -1,90 +1,203 @@
-"""Sizes a CPU worker's torch threads, between engine steps, to the cores other processes leave free.
+"""Lends a host's idle cores between the CPU workers that share them, through a lease on a tmpfs.
 
 Workers that share a host's cores (`make run`, one compose stack) otherwise choose between two
 losses: a fixed share of the cores leaves the decode worker on one core for the long tail of a
 burst after prefill went quiet, and a full set oversubscribes while both are busy, where an
-OpenMP team with one thread descheduled stalls at every barrier. So a worker may run up to
-`max_threads`, and every `interval_s` it reads how busy the CPUs it may run on were (/proc/stat),
-takes off what its own process used, and keeps as many threads as the rest leaves cores for,
-at least one. Two such workers that are both busy settle at one core each.
+OpenMP team with one thread descheduled stalls at every barrier (steps of a second and more).
+
+So each worker publishes, in a small file of a ledger that every worker on these CPUs maps, how
+many threads it runs and whether it has work. A worker with work may run its fair share of the
+cores (the cores over the number of workers with work, at least one) and, beyond that, whatever
+no one else holds. A worker that gets work while a neighbour runs on its share waits, before its
+step, until the neighbour gives the share back; the neighbour looks between its decoder layers,
+so the wait is at most one layer. Threads only ever grow at a step boundary and shrink at a
+layer boundary, never while an OpenMP team is running, so the workers' threads never add up to
+more than the cores (unless more workers have work than there are cores).
+
+Each worker holds an exclusive flock on its own file for its life; the kernel drops it when the
+process dies, however it dies, so a dead worker's threads stop counting at once. Updates go
+under a second flock, on the ledger's guard file; the check between layers only reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
-import math
+import mmap
 import os
+import secrets
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# /proc/stat columns after the name: user nice system idle iowait irq softirq steal ...; busy
-# time is all but idle, iowait and steal (time the hypervisor gave to someone else)
-BUSY_COLUMNS = (0, 1, 2, 5, 6)
-# a core counts as free while others use less than this much of it: the gateway, Redis and
-# the client take a little of the cores all the time
-FREE_MARGIN = 0.25
+# a worker's file: the threads it runs now, and 1 while it has work (0 when idle)
+SLOT = struct.Struct("<qq")
+GUARD_NAME = "guard"
 
 
-def busy_seconds(cpus: set[int], stat_path: str = "/proc/stat") -> float:
-    """CPU seconds the given CPUs have spent busy since boot, by every process."""
-    total = 0
-    with open(stat_path) as f:
-        for line in f:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                total += sum(int(fields[i]) for i in BUSY_COLUMNS)
-    return total / USER_HZ
+def cpu_list_text(cpus: set[int]) -> str:
+    """'0-3,6' for {0, 1, 2, 3, 6}: the ledger's name, so workers pinned to other CPUs keep their own."""
+    ranges: list[str] = []
+    for cpu in sorted(cpus):
+        if ranges and int(ranges[-1].rpartition("-")[2]) == cpu - 1:
+            ranges[-1] = f"{ranges[-1].partition('-')[0]}-{cpu}"
+        else:
+            ranges.append(str(cpu))
+    return ",".join(ranges)
 
 
-class ElasticThreads:
-    """Call `adjust()` on the engine thread between steps; it changes torch's threads there (the
-    C kernels follow, as they run on torch's OpenMP threads) and returns the new count when it
-    changed one."""
+@dataclass
+class _Peer:
+    fd: int
+    view: mmap.mmap
+
+    def read(self) -> tuple[int, bool]:
+        threads, has_work = SLOT.unpack_from(self.view)
+        return threads, bool(has_work)
+
+    def close(self) -> None:
+        self.view.close()
+        os.close(self.fd)
+
+
+class CoreLease:
+    """One worker's part in its host's core ledger. On the engine thread: `before_step()` before
+    each engine step (it may wait for a neighbour to give cores back), `between_layers()` from the
+    model's layer loop, `after_step(has_work)` after each step; `leave()` when the worker stops."""
 
     def __init__(
         self,
+        directory: str,
         max_threads: int,
         cpus: set[int] | None = None,
-        interval_s: float = 0.5,
-        clock: Callable[[], float] = time.monotonic,
-        read_busy: Callable[[set[int]], float] = busy_seconds,
-        read_own: Callable[[], float] = time.process_time,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        wait_timeout_s: float = 2.0,
+        poll_s: float = 0.0005,
     ) -> None:
         self.cpus = cpus if cpus is not None else os.sched_getaffinity(0)
-        self.max_threads = max(1, min(max_threads, len(self.cpus)))
-        self.threads = self.max_threads
-        self._interval_s = interval_s
-        self._clock, self._read_busy, self._read_own = clock, read_busy, read_own
-        self._last = self._sample()
+        self.num_cores = len(self.cpus)
+        self.max_threads = max(1, min(max_threads, self.num_cores))
+        self.threads = 0  # held now; 0 while idle
+        self.has_work = False
+        self._set_threads = set_threads
+        self._torch_threads: int | None = None
+        self._wait_timeout_s = wait_timeout_s
+        self._poll_s = poll_s
+        self.ledger = Path(directory) / f"llmd-cores-{cpu_list_text(self.cpus)}"
+        self.ledger.mkdir(parents=True, exist_ok=True)
+        self._guard = os.open(self.ledger / GUARD_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+        self.name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._peers: dict[str, _Peer] = {}
+        with self._guarded():  # created and locked at once: no one may take it for a dead worker's
+            fd = os.open(self.ledger / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, SLOT.size)
+            self._own = _Peer(fd, mmap.mmap(fd, SLOT.size))
+        logger.info("core lease %s: up to %d of %d cores (%s)", self.ledger, self.max_threads, self.num_cores,
+                    cpu_list_text(self.cpus))  # fmt: skip
 
-    def _sample(self) -> tuple[float, float, float]:
-        return self._clock(), self._read_busy(self.cpus), self._read_own()
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        fcntl.flock(self._guard, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._guard, fcntl.LOCK_UN)
 
-    def others_busy(self) -> float | None:
-        """Cores' worth of time other processes took on our CPUs since the last sample, once
-        `interval_s` has passed (then a new interval starts); None before."""
-        now = self._sample()
-        elapsed = now[0] - self._last[0]
-        if elapsed < self._interval_s:
-            return None
-        others = (now[1] - self._last[1]) - (now[2] - self._last[2])
-        self._last = now
-        return max(0.0, others / elapsed)
+    def _publish(self, threads: int, has_work: bool) -> None:
+        SLOT.pack_into(self._own.view, 0, threads, int(has_work))
+        self.threads, self.has_work = threads, has_work
 
-    def adjust(self) -> int | None:
-        others = self.others_busy()
-        if others is None:
-            return None
-        wanted = min(self.max_threads, max(1, math.floor(len(self.cpus) - others + FREE_MARGIN)))
-        if wanted == self.threads:
-            return None
-        logger.debug("torch threads %d -> %d (other processes used %.2f of %d cores)",
-                     self.threads, wanted, others, len(self.cpus))  # fmt: skip
-        self.threads = wanted
-        torch.set_num_threads(wanted)
+    def _use(self, threads: int) -> None:
+        if threads != self._torch_threads:
+            self._set_threads(threads)
+            self._torch_threads = threads
+
+    def _live_peers(self) -> list[tuple[int, bool]]:
+        """The other workers' (threads, has work), under the guard; a dead one's file is removed."""
+        names = {e.name for e in os.scandir(self.ledger)} - {GUARD_NAME, self.name}
+        for gone in self._peers.keys() - names:
+            self._peers.pop(gone).close()
+        states = []
+        for name in names:
+            peer = self._peers.get(name)
+            if peer is None:
+                try:
+                    fd = os.open(self.ledger / name, os.O_RDWR)
+                except FileNotFoundError:
+                    continue
+                peer = self._peers[name] = _Peer(fd, mmap.mmap(fd, SLOT.size))
+            try:
+                fcntl.flock(peer.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                states.append(peer.read())  # its owner holds the lock: alive
+                continue
+            logger.info("core lease: worker %s is gone; its cores are free", name)
+            (self.ledger / name).unlink(missing_ok=True)
+            self._peers.pop(name).close()
+        return states
+
+    def fair_share(self, num_with_work: int) -> int:
+        return max(1, self.num_cores // max(1, num_with_work))
+
+    def before_step(self) -> int:
+        """Take this step's threads: the fair share at least, more where no one else holds them.
+        Waits while a neighbour runs on more than its fair share and too little is free (it gives
+        the surplus back at its next layer), at most `wait_timeout_s`."""
+        deadline = time.monotonic() + self._wait_timeout_s
+        while True:
+            with self._guarded():
+                peers = self._live_peers()
+                fair = self.fair_share(1 + sum(has_work for _, has_work in peers))
+                # a neighbour with work has its fair share set aside even while it waits for it
+                free = self.num_cores - sum(max(threads, fair) if has_work else threads for threads, has_work in peers)
+                wanted = min(self.max_threads, max(fair, free))
+                borrowed = any(threads > fair for threads, has_work in peers)
+                timed_out = time.monotonic() > deadline
+                if wanted <= free or not borrowed or timed_out:
+                    self._publish(wanted, True)
+                    break
+                self._publish(min(self.threads, max(0, free)), True)  # asks: its neighbours see it has work
+            time.sleep(self._poll_s)
+        if timed_out:
+            logger.warning("core lease: a neighbour kept its borrowed cores past %g s; stepping on %d of %d cores "
+                           "anyway", self._wait_timeout_s, wanted, self.num_cores)  # fmt: skip
+        self._use(wanted)
         return wanted
+
+    def between_layers(self) -> None:
+        """Gives cores beyond the fair share back as soon as another worker has work."""
+        if self.threads <= 1:
+            return
+        fair = self.fair_share(1 + sum(peer.read()[1] for peer in self._peers.values()))
+        if self.threads > fair:
+            with self._guarded():
+                self._publish(fair, True)
+            self._use(fair)
+
+    def after_step(self, has_work: bool) -> None:
+        """An engine left without work holds no cores until its next step."""
+        if not has_work and (self.threads or self.has_work):
+            with self._guarded():
+                self._publish(0, False)
+
+    def leave(self) -> None:
+        """Takes this worker out of the ledger. Safe while the engine thread still steps: its file's
+        mapping and locks stay until `close()` or the process's exit."""
+        with self._guarded():
+            (self.ledger / self.name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.leave()
+        self._own.close()
+        for peer in self._peers.values():
+            peer.close()
+        self._peers.clear()
+        os.close(self._guard)

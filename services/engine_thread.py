@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.cpu_share import ElasticThreads
+from services.cpu_share import CoreLease
 from shared.engine.engine import Engine, EngineStats, RequestOutput
 from shared.model.loader import load_model
 from shared.settings import WorkerServiceSettings
@@ -31,7 +31,7 @@ class EngineThread:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine: Engine | None = None
-        self._elastic: ElasticThreads | None = None
+        self._lease: CoreLease | None = None
         self.stats: EngineStats | None = None
         self.num_steps = 0  # steps that computed something
         self._clock = clock
@@ -54,14 +54,16 @@ class EngineThread:
     async def load(self, settings: WorkerServiceSettings) -> Engine:
         self._engine = await self.call(load_engine, settings)
         if settings.worker.elastic_threads and self._engine.device.type == "cpu":
-            self._elastic = await self.call(lambda: ElasticThreads(torch.get_num_threads()))
+            lease = await self.call(lambda: CoreLease(settings.worker.core_lease_dir, torch.get_num_threads()))
+            self._engine.runner.model.between_layers = lease.between_layers
+            self._lease = lease
         await self.call(lambda: None)  # first stats snapshot
         return self._engine
 
     @property
     def torch_threads(self) -> int | None:
-        """The engine's torch threads now, where they follow the free cores (else None)."""
-        return None if self._elastic is None else self._elastic.threads
+        """The most torch threads the engine runs, where it leases them from its neighbours (else None)."""
+        return None if self._lease is None else self._lease.max_threads
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
@@ -72,10 +74,12 @@ class EngineThread:
         return await self.call(self._step, then)
 
     def _step(self, then: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
-        if self._elastic is not None:
-            self._elastic.adjust()
+        if self._lease is not None:
+            self._lease.before_step()
         outputs = self.engine.step()
         self._stepped_at = self._clock()
+        if self._lease is not None:
+            self._lease.after_step(self.engine.has_unfinished)
         if then is not None and outputs:
             then(outputs)
         return outputs
@@ -102,6 +106,8 @@ class EngineThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._lease is not None:
+            self._lease.leave()
 
 
 def load_engine(settings: WorkerServiceSettings) -> Engine:

@@ -6,7 +6,7 @@ process.
     python -m services.launcher --prefill 0 --decode 0 --colocated 1
 
 Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID. Each worker may use every
-core (LLMD_TORCH_THREADS) and runs on those the others leave free (services/cpu_share.py); with
+core (LLMD_TORCH_THREADS), and the workers lend each other idle ones (services/cpu_share.py); with
 LLMD_WORKER__ELASTIC_THREADS=false the cores are divided among the workers instead. Ctrl-C or
 SIGTERM stops everything: SIGTERM (workers drain), a grace period, then SIGKILL; the private
 Redis goes last. `Stack` is the same as a library, for tests and scripts, and can add and stop

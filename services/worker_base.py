@@ -188,7 +188,7 @@ class Worker:
         logger.info(
             "engine ready on %s (%s): %d KV blocks of %d tokens, torch threads %s",
             engine.device, engine.dtype, stats.kv.num_blocks, engine.block_size,
-            self.settings.torch_threads or "default" if threads is None else f"1-{threads}, on the cores left free",
+            self.settings.torch_threads or "default" if threads is None else f"1-{threads}, leased from the neighbours",
         )
         await with_backoff(self.setup, "creating consumer groups", self.stopped)
         await self._publish_status()

@@ -122,7 +122,11 @@ class WorkerSettings(BaseModel):
     stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
     cpus: str = Field("", description="CPUs the worker runs on, e.g. '0', '0-1' or '0,2'; empty = any")
     elastic_threads: bool = Field(
-        True, description="on the CPU, run between 1 and the torch threads on the cores other processes leave free"
+        True, description="on the CPU, lend idle cores to the other workers on them and borrow theirs (up to the "
+        "torch threads), through a core lease in core_lease_dir"
+    )
+    core_lease_dir: str = Field(
+        "/dev/shm", description="directory (a tmpfs) shared by the workers of one host, holding their core lease"
     )
 
     @field_validator("cpus")

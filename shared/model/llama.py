@@ -8,6 +8,7 @@ LM head. The op order follows transformers' LlamaForCausalLM so greedy output ma
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,8 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
+        # called after each decoder layer: where a CPU worker gives borrowed cores back mid-step
+        self.between_layers: Callable[[], None] | None = None
         pack = onednn_packing_available(dtype, device)
         blocks = (quantized or {}) if quantized_kernel_available(dtype, device) else {}
 
@@ -120,6 +123,8 @@ class LlamaModel:
             hidden = self._attention(layer, normed, positions, meta, kv_cache[i, 0], kv_cache[i, 1])
             normed, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
             hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(normed)))
+            if self.between_layers is not None:
+                self.between_layers()
         hidden, _ = rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
         return hidden
 

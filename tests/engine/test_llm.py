@@ -79,3 +79,16 @@ def test_bfloat16_engine_answers_like_float32(model_path: str) -> None:
                                         kv_cache=KVCacheSettings(memory_bytes=64 * 2**20)))
     [out] = llm16.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0.0))
     assert "Paris" in out.text
+
+
+def test_the_layer_hook_runs_after_every_decoder_layer_of_every_step(llm: LLM) -> None:
+    model = llm.engine.runner.model
+    calls: list[int] = []
+    model.between_layers = lambda: calls.append(llm.engine.num_steps)
+    try:
+        steps_before = llm.engine.num_steps
+        llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        model.between_layers = None
+    num_layers = model.config.num_layers
+    assert calls == [step for step in range(steps_before, steps_before + 3) for _ in range(num_layers)]

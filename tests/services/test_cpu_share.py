@@ -1,69 +1,203 @@
-"""ElasticThreads: a CPU worker runs on the cores other processes leave free."""
+"""CoreLease: CPU workers on one host lend each other idle cores, and take them back within a
+layer, without ever running more threads than cores; and the engine thread that uses it."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
-from services.cpu_share import USER_HZ, ElasticThreads, busy_seconds
+from services.cpu_share import SLOT, CoreLease, cpu_list_text
+from services.engine_thread import EngineThread
+from shared.engine.sampling_params import SamplingParams
+from shared.settings import WorkerServiceSettings
+from tests.services.test_faults import until
+
+CPUS = {0, 1}
+PATIENT_S = 120.0  # a wait this long means the lease never let go: the test fails on the leftover thread
 
 
-class FakeCpus:
-    """Two CPUs whose busy time this process and the others add to as the test says."""
+class Host:
+    """Leases on one temporary ledger, each recording the thread counts it sets."""
 
-    def __init__(self) -> None:
-        self.now = self.busy = self.own = 0.0
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.set: dict[str, list[int]] = {}
+        self.leases: list[CoreLease] = []
 
-    def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
-        self.now += seconds
-        self.own += own_cores * seconds
-        self.busy += (own_cores + other_cores) * seconds
+    def lease(self, name: str, max_threads: int = 2, wait_timeout_s: float = PATIENT_S) -> CoreLease:
+        calls = self.set.setdefault(name, [])
+        lease = CoreLease(str(self.directory), max_threads, cpus=CPUS, set_threads=calls.append,
+                          wait_timeout_s=wait_timeout_s)  # fmt: skip
+        self.leases.append(lease)
+        return lease
 
-    def elastic(self, max_threads: int = 2) -> ElasticThreads:
-        return ElasticThreads(max_threads, cpus={0, 1}, interval_s=0.5, clock=lambda: self.now,
-                              read_busy=lambda cpus: self.busy, read_own=lambda: self.own)  # fmt: skip
-
-
-def test_a_core_goes_to_a_busy_neighbour_and_comes_back_when_it_is_quiet(two_torch_threads: None) -> None:
-    cpus = FakeCpus()
-    threads = cpus.elastic()
-    assert threads.threads == 2
-
-    cpus.run(0.3, own_cores=2.0, other_cores=0.0)
-    assert threads.adjust() is None  # within the first interval: nothing measured yet
-    cpus.run(0.3, own_cores=1.3, other_cores=0.7)  # a prefill worker took part of a core
-    assert threads.adjust() == 1
-    assert torch.get_num_threads() == 1
-
-    cpus.run(1.0, own_cores=1.0, other_cores=1.0)
-    assert threads.adjust() is None
-    assert threads.threads == 1
-
-    cpus.run(1.0, own_cores=1.0, other_cores=0.1)  # the gateway and Redis alone
-    assert threads.adjust() == 2
-    assert torch.get_num_threads() == 2
+    def slots(self) -> dict[str, tuple[int, int]]:
+        ledger = self.directory / f"llmd-cores-{cpu_list_text(CPUS)}"
+        return {p.name: SLOT.unpack(p.read_bytes()) for p in ledger.iterdir() if p.name != "guard"}
 
 
-def test_at_least_one_thread_and_never_more_than_its_cpus(two_torch_threads: None) -> None:
-    cpus = FakeCpus()
-    assert cpus.elastic(max_threads=8).max_threads == 2
-    threads = cpus.elastic()
-    cpus.run(1.0, own_cores=0.5, other_cores=3.0)
-    assert threads.adjust() == 1
-    cpus.run(1.0, own_cores=0.5, other_cores=3.0)
-    assert threads.adjust() is None
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    host = Host(tmp_path)
+    yield host
+    for lease in host.leases:
+        lease.close()
 
 
-def test_busy_seconds_counts_the_given_cpus_without_idle_iowait_or_steal(tmp_path: Path) -> None:
-    stat = tmp_path / "stat"
-    stat.write_text(
-        "cpu  999 999 999 999 999 999 999 999 0 0\n"
-        "cpu0 10 1 2 1000 50 3 4 70 0 0\n"
-        "cpu1 20 0 5 2000 60 0 1 80 0 0\n"
-        "cpu2 400 0 0 10 0 0 0 0 0 0\n"
-        "intr 12345 1 2 3\n"
-        "ctxt 999\n"
-    )
-    assert busy_seconds({0, 1}, str(stat)) == (10 + 1 + 2 + 3 + 4 + 20 + 5 + 1) / USER_HZ
-    assert busy_seconds({2}, str(stat)) == 400 / USER_HZ
+def in_thread(fn: Callable[[], int]) -> tuple[threading.Thread, list[int]]:
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_cpu_lists_name_ledgers_compactly() -> None:
+    assert cpu_list_text({0, 1, 2, 3, 6}) == "0-3,6"
+    assert cpu_list_text({5}) == "5"
+    assert cpu_list_text({0, 2, 3}) == "0,2-3"
+
+
+def test_a_lone_worker_runs_on_every_core_and_holds_none_once_idle(host: Host) -> None:
+    decode = host.lease("decode")
+    assert decode.before_step() == 2
+    assert host.set["decode"] == [2]
+    assert host.slots() == {decode.name: (2, 1)}
+    decode.after_step(has_work=True)
+    assert decode.before_step() == 2
+    assert host.set["decode"] == [2]  # unchanged: torch is not told again
+    decode.after_step(has_work=False)
+    assert host.slots() == {decode.name: (0, 0)}
+
+
+def test_a_neighbour_with_work_waits_until_the_borrower_steps_down_between_layers(host: Host) -> None:
+    prefill, decode = host.lease("prefill"), host.lease("decode")
+    assert prefill.before_step() == 2  # decode idle: prefill borrows its core
+
+    waiter, taken = in_thread(decode.before_step)
+    until(lambda: host.slots()[decode.name] == (0, 1), "decode to ask for its core")
+    assert waiter.is_alive()  # prefill still runs both cores: decode must not start its step
+
+    prefill.between_layers()
+    waiter.join(PATIENT_S)
+    assert taken == [1] and prefill.threads == 1
+    assert host.set == {"prefill": [2, 1], "decode": [1]}
+
+    prefill.after_step(has_work=True)
+    assert prefill.before_step() == 1  # decode still has work: no growing back at the step boundary
+    decode.after_step(has_work=False)
+    assert prefill.before_step() == 2  # decode went idle: its core is lent again
+    assert host.slots() == {prefill.name: (2, 1), decode.name: (0, 0)}
+
+
+def test_a_worker_at_its_fair_share_keeps_it_between_layers(host: Host) -> None:
+    prefill, decode = host.lease("prefill"), host.lease("decode")
+    assert prefill.before_step() == 2
+    prefill.between_layers()  # no one else has work
+    assert prefill.threads == 2
+    waiter, _ = in_thread(decode.before_step)
+    until(lambda: host.slots()[decode.name][1] == 1, "decode to ask")
+    prefill.between_layers()
+    waiter.join(PATIENT_S)
+    prefill.between_layers()
+    assert (prefill.threads, decode.threads) == (1, 1)
+    assert host.set["prefill"] == [2, 1]
+
+
+def test_more_workers_with_work_than_cores_run_one_thread_each_without_waiting(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second, third = (host.lease(name) for name in ("first", "second", "third"))
+    assert first.before_step() == 2
+    waiter, taken = in_thread(second.before_step)
+    until(lambda: host.slots()[second.name] == (0, 1), "the second to ask")
+    first.between_layers()
+    waiter.join(PATIENT_S)
+    with caplog.at_level(logging.WARNING, logger="services.cpu_share"):
+        assert third.before_step() == 1  # no one runs beyond its share: nothing to wait for
+    assert (first.threads, taken, third.threads) == (1, [1], 1)
+    assert not caplog.records
+
+
+def test_a_worker_killed_while_borrowing_frees_its_cores_at_once(host: Host) -> None:
+    script = f"""
+import sys, time
+from services.cpu_share import CoreLease
+lease = CoreLease({str(host.directory)!r}, 2, cpus={CPUS!r}, set_threads=lambda n: None)
+print(lease.name, lease.before_step(), flush=True)
+time.sleep(600)
+"""
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None
+            name, threads = child.stdout.readline().split()
+            assert threads == "2" and host.slots() == {name: (2, 1)}
+        finally:
+            child.send_signal(signal.SIGKILL)
+    decode = host.lease("decode")
+    assert decode.before_step() == 2  # no wait for the dead worker's layer boundary
+    assert host.slots() == {decode.name: (2, 1)}  # and its file is gone
+
+
+def test_a_neighbour_that_never_steps_down_is_waited_for_only_so_long(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    hung = host.lease("hung")
+    assert hung.before_step() == 2
+    decode = host.lease("decode", wait_timeout_s=0.05)
+    with caplog.at_level(logging.WARNING, logger="services.cpu_share"):
+        assert decode.before_step() == 1
+    assert "kept its borrowed cores past 0.05 s; stepping on 1 of 2 cores anyway" in caplog.text
+
+
+def test_a_worker_that_leaves_stops_counting(host: Host) -> None:
+    prefill, decode = host.lease("prefill"), host.lease("decode")
+    assert prefill.before_step() == 2
+    prefill.leave()
+    assert decode.before_step() == 2
+    assert host.slots() == {decode.name: (2, 1)}
+
+
+@pytest.mark.slow
+def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
+    host: Host, model_path: str, two_torch_threads: None
+) -> None:
+    settings = WorkerServiceSettings.model_validate({
+        "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
+        "worker": {"elastic_threads": True, "core_lease_dir": str(host.directory)},
+    })  # fmt: skip
+
+    async def run() -> None:
+        thread = EngineThread()
+        engine = await thread.load(settings)
+        assert thread.torch_threads == 2
+        assert host.slots() and set(host.slots().values()) == {(0, 0)}  # loaded, idle: holds nothing
+        neighbour = host.lease("neighbour")
+        assert neighbour.before_step() == 2  # borrows the idle engine's core
+
+        await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0))
+        step = asyncio.ensure_future(thread.step())
+        while not step.done():  # the neighbour's layer loop: it gives the core back once the engine asks
+            neighbour.between_layers()
+            await asyncio.sleep(0.001)
+        await step
+        (engine_slot,) = (slot for name, slot in host.slots().items() if name != neighbour.name)
+        assert engine_slot == (1, 1) and neighbour.threads == 1
+        assert await thread.call(torch.get_num_threads) == 1
+
+        neighbour.after_step(has_work=False)
+        while engine.has_unfinished:
+            await thread.step()
+        assert set(host.slots().values()) == {(0, 0)}  # finished: the engine's core is free again
+        thread.shutdown()
+        assert list(host.slots()) == [neighbour.name]
+
+    asyncio.run(run())
