@@ -130,10 +130,10 @@ class CoreLease:
             peer = self._peers.get(name)
             if peer is None:
                 try:
-                    fd = os.open(self.ledger / name, os.O_RDWR)
+                    fd = os.open(self.ledger / name, os.O_RDONLY)
                 except FileNotFoundError:
                     continue
-                peer = self._peers[name] = _Peer(fd, mmap.mmap(fd, SLOT.size))
+                peer = self._peers[name] = _Peer(fd, mmap.mmap(fd, SLOT.size, access=mmap.ACCESS_READ))
             try:
                 fcntl.flock(peer.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from shared.model.loader import load_model
 from shared.settings import WorkerServiceSettings
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class EngineThread:
@@ -54,11 +56,21 @@ class EngineThread:
     async def load(self, settings: WorkerServiceSettings) -> Engine:
         self._engine = await self.call(load_engine, settings)
         if settings.worker.elastic_threads and self._engine.device.type == "cpu":
-            lease = await self.call(lambda: CoreLease(settings.worker.core_lease_dir, torch.get_num_threads()))
-            self._engine.runner.model.between_layers = lease.between_layers
-            self._lease = lease
+            await self.call(self._lease_cores, settings.worker.core_lease_dir)
         await self.call(lambda: None)  # first stats snapshot
         return self._engine
+
+    def _lease_cores(self, directory: str) -> None:
+        try:
+            self._lease = CoreLease(directory, torch.get_num_threads())
+        except OSError as e:
+            logger.warning(
+                "elastic threads off: no core lease in %s (%s); running a fixed %d torch threads. Point "
+                "LLMD_WORKER__CORE_LEASE_DIR at a tmpfs the host's workers share, or set "
+                "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, torch.get_num_threads(),
+            )
+            return
+        self.engine.runner.model.between_layers = self._lease.between_layers
 
     @property
     def torch_threads(self) -> int | None:

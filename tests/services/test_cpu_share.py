@@ -201,3 +201,29 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
         assert list(host.slots()) == [neighbour.name]
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_an_engine_thread_without_a_place_for_its_lease_runs_fixed_threads_and_says_how_to_fix_it(
+    tmp_path: Path, model_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    settings = WorkerServiceSettings.model_validate({
+        "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
+        "worker": {"elastic_threads": True, "core_lease_dir": str(not_a_directory)},
+    })  # fmt: skip
+
+    async def run() -> None:
+        thread = EngineThread()
+        engine = await thread.load(settings)
+        assert thread.torch_threads is None and engine.runner.model.between_layers is None
+        await thread.call(engine.add_request, "r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+        while engine.has_unfinished:
+            await thread.step()
+        thread.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="services.engine_thread"):
+        asyncio.run(run())
+    assert f"elastic threads off: no core lease in {not_a_directory}" in caplog.text
+    assert "LLMD_WORKER__CORE_LEASE_DIR" in caplog.text
