@@ -70,7 +70,7 @@ class _Peer:
 class CoreLease:
     """One worker's part in its host's core ledger. On the engine thread: `before_step()` before
     each engine step (it may wait for a neighbour to give cores back), `between_layers()` from the
-    model's layer loop, `after_step(has_work)` after each step; `leave()` when the worker stops."""
+    model's layer loop, `after_call(has_work)` after each engine call; `leave()` when the worker stops."""
 
     def __init__(
         self,
@@ -182,7 +182,7 @@ class CoreLease:
                 self._publish(fair, True)
             self._use(fair)
 
-    def after_step(self, has_work: bool) -> None:
+    def after_call(self, has_work: bool) -> None:
         """An engine left without work holds no cores until its next step."""
         if not has_work and (self.threads or self.has_work):
             with self._guarded():

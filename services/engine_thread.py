@@ -90,8 +90,6 @@ class EngineThread:
             self._lease.before_step()
         outputs = self.engine.step()
         self._stepped_at = self._clock()
-        if self._lease is not None:
-            self._lease.after_step(self.engine.has_unfinished)
         if then is not None and outputs:
             then(outputs)
         return outputs
@@ -107,6 +105,8 @@ class EngineThread:
             if self._engine is not None:
                 self.stats = self._engine.stats()
                 self.num_steps = self._engine.num_steps
+                if self._lease is not None:  # after any call: an abort or a release can leave it idle too
+                    self._lease.after_call(self._engine.has_unfinished)
             self._busy_since = None
 
     def stalled_s(self) -> float:

@@ -71,10 +71,10 @@ def test_a_lone_worker_runs_on_every_core_and_holds_none_once_idle(host: Host) -
     assert decode.before_step() == 2
     assert host.set["decode"] == [2]
     assert host.slots() == {decode.name: (2, 1)}
-    decode.after_step(has_work=True)
+    decode.after_call(has_work=True)
     assert decode.before_step() == 2
     assert host.set["decode"] == [2]  # unchanged: torch is not told again
-    decode.after_step(has_work=False)
+    decode.after_call(has_work=False)
     assert host.slots() == {decode.name: (0, 0)}
 
 
@@ -91,9 +91,9 @@ def test_a_neighbour_with_work_waits_until_the_borrower_steps_down_between_layer
     assert taken == [1] and prefill.threads == 1
     assert host.set == {"prefill": [2, 1], "decode": [1]}
 
-    prefill.after_step(has_work=True)
+    prefill.after_call(has_work=True)
     assert prefill.before_step() == 1  # decode still has work: no growing back at the step boundary
-    decode.after_step(has_work=False)
+    decode.after_call(has_work=False)
     assert prefill.before_step() == 2  # decode went idle: its core is lent again
     assert host.slots() == {prefill.name: (2, 1), decode.name: (0, 0)}
 
@@ -193,10 +193,16 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
         assert engine_slot == (1, 1) and neighbour.threads == 1
         assert await thread.call(torch.get_num_threads) == 1
 
-        neighbour.after_step(has_work=False)
+        neighbour.after_call(has_work=False)
         while engine.has_unfinished:
             await thread.step()
         assert set(host.slots().values()) == {(0, 0)}  # finished: the engine's core is free again
+
+        await thread.call(engine.add_request, "r2", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+        await thread.step()
+        assert (2, 1) in host.slots().values()  # the neighbour is idle: the engine runs on both cores
+        await thread.call(engine.abort_request, "r2")
+        assert set(host.slots().values()) == {(0, 0)}  # idle after an abort too, with no step to say so
         thread.shutdown()
         assert list(host.slots()) == [neighbour.name]
 
