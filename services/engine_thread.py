@@ -34,6 +34,7 @@ class EngineThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine: Engine | None = None
         self._lease: CoreLease | None = None
+        self._fixed_threads: int | None = None
         self.stats: EngineStats | None = None
         self.num_steps = 0  # steps that computed something
         self._clock = clock
@@ -55,10 +56,18 @@ class EngineThread:
 
     async def load(self, settings: WorkerServiceSettings) -> Engine:
         self._engine = await self.call(load_engine, settings)
+        self._fixed_threads = await self.call(torch.get_num_threads)
         if settings.worker.elastic_threads and self._engine.device.type == "cpu":
             await self.call(self._lease_cores, settings.worker.core_lease_dir)
         await self.call(lambda: None)  # first stats snapshot
         return self._engine
+
+    @property
+    def threads_now(self) -> int | None:
+        """The torch threads the engine steps on now (None before it loads)."""
+        if self._lease is not None:
+            return self._lease.threads
+        return self._fixed_threads
 
     def _lease_cores(self, directory: str) -> None:
         try:

@@ -419,6 +419,8 @@ class Worker:
     def render_metrics(self) -> tuple[bytes, str]:
         if self.engine.stats is not None:
             self.metrics.observe_engine(self.engine.stats)
+        if (threads := self.engine.threads_now) is not None:
+            self.metrics.torch_threads.set(threads)
         return self.metrics.render(), self.metrics.content_type
 
 

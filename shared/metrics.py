@@ -50,6 +50,10 @@ class WorkerMetrics:
         self.handoff_seconds = histogram(
             "llmd_handoff_seconds", "From a request's prefill finishing to its KV being ready on a decode worker."
         )
+        self.torch_threads = gauge(
+            "llmd_torch_threads", "Torch threads the engine steps on: its share of the host's core lease (0 while "
+            "idle), or the fixed count."
+        )
         self._last_stats: EngineStats | None = None
 
     def observe_engine(self, stats: EngineStats) -> None:

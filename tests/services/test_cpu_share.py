@@ -190,7 +190,7 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
             await asyncio.sleep(0.001)
         await step
         (engine_slot,) = (slot for name, slot in host.slots().items() if name != neighbour.name)
-        assert engine_slot == (1, 1) and neighbour.threads == 1
+        assert engine_slot == (1, 1) and neighbour.threads == 1 and thread.threads_now == 1
         assert await thread.call(torch.get_num_threads) == 1
 
         neighbour.after_call(has_work=False)
@@ -203,6 +203,7 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
         assert (2, 1) in host.slots().values()  # the neighbour is idle: the engine runs on both cores
         await thread.call(engine.abort_request, "r2")
         assert set(host.slots().values()) == {(0, 0)}  # idle after an abort too, with no step to say so
+        assert thread.threads_now == 0
         thread.shutdown()
         assert list(host.slots()) == [neighbour.name]
 
@@ -224,6 +225,7 @@ def test_an_engine_thread_without_a_place_for_its_lease_runs_fixed_threads_and_s
         thread = EngineThread()
         engine = await thread.load(settings)
         assert thread.torch_threads is None and engine.runner.model.between_layers is None
+        assert thread.threads_now == await thread.call(torch.get_num_threads)
         await thread.call(engine.add_request, "r", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
         while engine.has_unfinished:
             await thread.step()

@@ -437,7 +437,7 @@ async def test_health_is_503_until_the_engine_loads_and_metrics_use_vllm_names(w
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
-                 "llmd_handoff_bytes_total", "llmd_handoff_seconds_bucket"):
+                 "llmd_handoff_bytes_total", "llmd_handoff_seconds_bucket", "llmd_torch_threads"):
         assert f"\n{name}{{" in metrics, name
     await worker.bus.close()
     worker.engine.shutdown()
