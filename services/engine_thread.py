@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,10 @@ class EngineThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine: Engine | None = None
         self._lease: CoreLease | None = None
+        # (fn, args, future) of call_between_layers
+        self._layer_calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = (
+            queue.SimpleQueue()
+        )
         self._fixed_threads: int | None = None
         self.stats: EngineStats | None = None
         self.num_steps = 0  # steps that computed something
@@ -57,8 +62,10 @@ class EngineThread:
     async def load(self, settings: WorkerServiceSettings) -> Engine:
         self._engine = await self.call(load_engine, settings)
         self._fixed_threads = await self.call(torch.get_num_threads)
-        if settings.worker.elastic_threads and self._engine.device.type == "cpu":
-            await self.call(self._lease_cores, settings.worker.core_lease_dir)
+        if self._engine.device.type == "cpu":  # a CUDA graph's replay calls no Python between layers
+            if settings.worker.elastic_threads:
+                await self.call(self._lease_cores, settings.worker.core_lease_dir)
+            self._engine.runner.model.between_layers = self.between_layers
         await self.call(lambda: None)  # first stats snapshot
         return self._engine
 
@@ -79,7 +86,6 @@ class EngineThread:
                 "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, torch.get_num_threads(),
             )
             return
-        self.engine.runner.model.between_layers = self._lease.between_layers
 
     @property
     def torch_threads(self) -> int | None:
@@ -88,6 +94,46 @@ class EngineThread:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, fn, args)
+
+    async def call_between_layers(self, fn: Callable[..., T], *args: Any) -> T:
+        """Like `call`, but where a step is in progress on the CPU, `fn` runs at its next layer
+        boundary instead of after it: a decode step is tens of milliseconds, and an incoming request
+        that waits for one to reserve its blocks and another to join the batch starts a step later.
+        Only for calls that touch nothing the step in progress uses (reserving blocks for an import,
+        committing an imported request); never for one that frees blocks the step may use."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._layer_calls.put((fn, args, future))
+        # after the step in progress should no layer boundary come first, or now if none is running
+        loop.run_in_executor(self._executor, self._run_layer_calls_now)
+        return await future
+
+    def between_layers(self) -> None:
+        """The model's hook after each decoder layer, on the engine thread."""
+        if self._lease is not None:
+            self._lease.between_layers()
+        if not self._layer_calls.empty():
+            _hand_back(self._take_layer_calls())  # at once: a reservation's answer need not wait for the step
+
+    def _run_layer_calls_now(self) -> None:
+        # results go back after `_run` took its stats snapshot, as a `call`'s do: a caller that then
+        # wakes the step loop must find the work it just committed
+        _hand_back(self._run(self._take_layer_calls, ()))
+
+    def _take_layer_calls(self) -> list[tuple[asyncio.Future[Any], Any, Exception | None]]:
+        """Runs the queued calls; returns each one's future with its result or error."""
+        done: list[tuple[asyncio.Future[Any], Any, Exception | None]] = []
+        while True:
+            try:
+                fn, args, future = self._layer_calls.get_nowait()
+            except queue.Empty:
+                return done
+            if future.cancelled():  # as a queued executor job is dropped when its caller leaves
+                continue
+            try:
+                done.append((future, fn(*args), None))
+            except Exception as e:
+                done.append((future, None, e))
 
     async def step(self, then: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One engine step; `then(outputs)` runs right after it on the engine thread, before any call
@@ -129,6 +175,20 @@ class EngineThread:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._lease is not None:
             self._lease.leave()
+
+
+def _hand_back(done: list[tuple[asyncio.Future[Any], Any, Exception | None]]) -> None:
+    for future, result, error in done:
+        future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def load_engine(settings: WorkerServiceSettings) -> Engine:

@@ -178,7 +178,7 @@ class DecodeWorker(Worker):
 
     async def _reserve(self, offer: HandoffOffer) -> list[int] | None:
         try:
-            reserved = await self.engine.call(reserve_kv, self.engine.engine, handoff_from_offer(offer))
+            reserved = await self.engine.call_between_layers(reserve_kv, self.engine.engine, handoff_from_offer(offer))
         except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
             logger.warning("cannot take %s: %s", offer.req_id, e)
             return None
@@ -248,7 +248,8 @@ class DecodeWorker(Worker):
             if self.tokens.active.get(msg.req_id) is not active:  # cancelled during the write: _abort frees it
                 await self._discard(msg.location)
                 return
-            await self.engine.call(commit_kv, self.engine.engine, msg.req_id)
+            # at the step's next layer: the request joins the very next step
+            await self.engine.call_between_layers(commit_kv, self.engine.engine, msg.req_id)
         except Exception as e:
             logger.exception("importing the KV of %s failed", msg.req_id)
             self.tokens.active.pop(msg.req_id, None)

@@ -346,6 +346,40 @@ async def test_a_step_hook_runs_on_the_engine_thread_before_calls_queued_during_
     thread.shutdown()
 
 
+async def test_a_call_between_layers_runs_inside_the_step_in_progress_and_after_none_when_idle() -> None:
+    thread = EngineThread()
+    engine = FakeEngine()
+    thread._engine = engine  # type: ignore[assignment]
+    in_step, next_layer = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def step_of_two_layers() -> list[RequestOutput]:
+        in_step.set()
+        next_layer.wait(30)
+        thread.between_layers()  # what the model calls after each decoder layer
+        order.append("layer 2")
+        return []
+
+    engine.step = step_of_two_layers  # type: ignore[method-assign]
+    step = asyncio.ensure_future(thread.step(lambda outs: order.append("step done")))
+    await asyncio.to_thread(in_step.wait, 30)
+    call = asyncio.ensure_future(thread.call_between_layers(lambda: order.append("reserve") or "reserved"))
+    await asyncio.sleep(0)  # queued
+    next_layer.set()
+    assert await call == "reserved"
+    await step
+    assert order == ["reserve", "layer 2"]  # in the step, not after it ("step done": no outputs, no hook)
+
+    assert (await thread.call_between_layers(lambda: threading.current_thread().name)).startswith("engine")  # idle
+
+    def fails() -> None:
+        raise ValueError("no room")
+
+    with pytest.raises(ValueError, match="no room"):
+        await thread.call_between_layers(fails)
+    thread.shutdown()
+
+
 def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
     async def run() -> bool:
         return check()
