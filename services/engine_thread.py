@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 class EngineThread:
     """The only door to the engine. One dedicated thread runs every call in submission order, so
-    the engine is never touched concurrently and the event loop never waits on the model.
+    the engine is never touched concurrently and the event loop never waits on the model; only
+    `call_between_layers` may run sooner, inside a step, still on that thread.
 
     After each call the thread snapshots `stats`, so heartbeats and /metrics read the load
     without queueing behind a long step. It also tells a hung engine (a call that never returns,
@@ -85,7 +86,6 @@ class EngineThread:
                 "LLMD_WORKER__CORE_LEASE_DIR at a tmpfs the host's workers share, or set "
                 "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, torch.get_num_threads(),
             )
-            return
 
     @property
     def torch_threads(self) -> int | None:
