@@ -102,6 +102,31 @@ ALWAYS_INLINE vfloat vrounded(vfloat v, int dtype) {
 
 /* ---- RMSNorm ---------------------------------------------------------------------------- */
 
+#define SQUARE_CHAINS 4
+
+/* The sum of a row's squares, SQUARE_CHAINS vectors of partial sums at a time. Written out:
+ * gcc left an `omp simd` reduction here scalar, one chain of dependent adds three quarters of
+ * the norm's time (a prefill of 256 tokens on one Zen 3 core: 34 ms of its 1,060). */
+ALWAYS_INLINE float sum_of_squares(const void *row, int hidden, int dtype) {
+    vfloat partial[SQUARE_CHAINS] = {0};
+    int i = 0;
+    for (; i + SQUARE_CHAINS * LANES <= hidden; i += SQUARE_CHAINS * LANES)
+        for (int c = 0; c < SQUARE_CHAINS; c++) {
+            vfloat v = vload(row, i + c * LANES, dtype);
+            partial[c] += v * v;
+        }
+    for (int c = 1; c < SQUARE_CHAINS; c++)
+        partial[0] += partial[c];
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++)
+        sum += partial[0][l];
+    for (; i < hidden; i++) {
+        float v = load(row, i, dtype);
+        sum += v * v;
+    }
+    return sum;
+}
+
 ALWAYS_INLINE void rms_norm_row(void *out, void *residual_out, const void *x, const void *residual,
                                 const void *weight, int hidden, float eps, int dtype) {
     const void *normed_from = x;
@@ -110,12 +135,7 @@ ALWAYS_INLINE void rms_norm_row(void *out, void *residual_out, const void *x, co
             store(residual_out, i, load(x, i, dtype) + load(residual, i, dtype), dtype);
         normed_from = residual_out;
     }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < hidden; i++) {
-        float v = load(normed_from, i, dtype);
-        sum += v * v;
-    }
+    float sum = sum_of_squares(normed_from, hidden, dtype);
     float inv_rms = 1.0f / sqrtf(sum / (float)hidden + eps);  /* torch.rsqrt: correctly rounded div of sqrt */
     for (int i = 0; i < hidden; i++) {
         float h = rounded(load(normed_from, i, dtype) * inv_rms, dtype);

@@ -8,19 +8,27 @@
  *
  * A work item is one kv head of up to ITEM_TOKENS consecutive query tokens of one request: its
  * rows are those tokens' query heads of that kv head's GQA group, scaled and widened to float32
- * once. The item walks its keys KEY_TILE at a time, each tile widened once into float32 and
- * shared by all its rows: the keys transposed (dims x keys), so a row's scores are one vector
- * per dim, the values as they are. Rows go ROW_GROUP at a time, so each key or value vector
- * loaded serves that many rows; their output accumulators live in the item's scratch between
- * tiles. Row r of request i sits at position seq_len - q_len + t (bottom-right causal, as the
+ * once. Row r of request i sits at position seq_len - q_len + t (bottom-right causal, as the
  * reference's mask), and sees keys 0 .. that position. A row's maximum is never -inf: its first
- * tile holds key 0, and masked scores are a large finite negative, as -ffast-math assumes no
+ * block holds key 0, and masked scores are a large finite negative, as -ffast-math assumes no
  * infinities. Items run in reverse order, so the longest (a request's last tokens) start first.
  *
- * What the softmax costs a tile is kept small, as the products are only 2 x head_dim vector
- * FMAs a row: a horizontal max and a rescaling of the output only when a score passes the
- * row's running max (rare after the first tiles), sums kept lane by lane until the end, and
- * e^x on vectors (glibc's expf, called per lane, took a third of the time).
+ * In float32 (and bf16 without the dot products below) the item walks its keys KEY_BLOCK at a
+ * time, each block widened once into float32 and shared by all its rows: the keys transposed
+ * (dims x keys), the values as they are. A block is two small matrix products with the online
+ * softmax between them, computed MICRO_ROWS rows at a time by register-blocked kernels (see
+ * block_scores): the scores of those rows, then their softmax (a horizontal max, and a rescaling
+ * of a row's output only where its max grew), then their output. On one Zen 3 core, float32,
+ * 9 query heads on 3 kv heads, a layer: 8 prompts of 256 tokens 40 -> 20 ms, one of 2,048 tokens
+ * 237 -> 126 ms against the tiles of LANES keys this path had before (those the dot path keeps).
+ *
+ * The bf16 dot path walks KEY_TILE keys at a time, ROW_GROUP rows together, so each key or
+ * value vector loaded serves that many rows; their output accumulators live in the item's
+ * scratch between tiles. What the softmax costs a tile is kept small, as the products are only
+ * 2 x head_dim vector FMAs a row: a horizontal max and a rescaling of the output only when a
+ * score passes the row's running max (rare after the first tiles), sums kept lane by lane until
+ * the end. Both paths take e^x on vectors (glibc's expf, called per lane, took a third of the
+ * time).
  *
  * q, the cache and out are all float32 or all bfloat16, and bf16 output is rounded to nearest
  * even once. In float32 the arithmetic is float32 FMAs. In bf16 on a CPU with AVX512-BF16
@@ -50,6 +58,9 @@
 #define HAVE_BF16_DOT 0
 #endif
 
+#define KEY_BLOCK 64
+#define MICRO_ROWS 6
+#define MICRO_VECS 2
 #define KEY_TILE LANES
 #define ROW_GROUP 4
 #define SCORE_CHAINS 4
@@ -125,31 +136,207 @@ static inline __attribute__((always_inline)) vfloat exp_lanes(vfloat x)
     return select_lanes(underflows, (vfloat){0}, poly * scale);
 }
 
-/* A tile's keys (transposed: kt[d * KEY_TILE + j]) and values (v[j * head_dim + d]) as floats;
- * keys past `count` are zero. */
-static inline __attribute__((always_inline)) void load_tile(const PagedArgs *a, const int32_t *table, int32_t kv_head,
+/* rows[i][k] and rows[k][i] swapped for all i, k: the s x s blocks off the diagonal of each
+ * 2s x 2s block swapped, for s = LANES / 2 .. 1, one two-input shuffle per vector a round. */
+static inline __attribute__((always_inline)) void transpose_lanes(vfloat rows[LANES])
+{
+    for (int s = LANES / 2; s > 0; s /= 2) {
+        vint lo, hi;
+        for (int k = 0; k < LANES; k++) {
+            lo[k] = k & s ? LANES + k - s : k;
+            hi[k] = k & s ? LANES + k : k + s;
+        }
+        for (int i = 0; i < LANES; i++)
+            if (!(i & s)) {
+                const vfloat top = rows[i], bottom = rows[i + s];
+                rows[i] = __builtin_shuffle(top, bottom, lo);
+                rows[i + s] = __builtin_shuffle(top, bottom, hi);
+            }
+    }
+}
+
+/* A block's keys (transposed: kt[d * KEY_BLOCK + j]) and values (v[j * head_dim + d]) as floats;
+ * keys past `count` are zero. The keys go LANES at a time through transpose_lanes: stored lane
+ * by lane they took a sixth of the kernel's time. */
+static inline __attribute__((always_inline)) void load_block(const PagedArgs *a, const int32_t *table, int32_t kv_head,
                                                             int32_t key0, int32_t count, float *kt, float *v, const int bf16)
 {
     const int32_t d_len = a->head_dim;
-    if (count < KEY_TILE) {
-        memset(kt, 0, sizeof(float) * KEY_TILE * d_len);
-        memset(v, 0, sizeof(float) * KEY_TILE * d_len);
+    if (count < KEY_BLOCK) {
+        memset(kt, 0, sizeof(float) * KEY_BLOCK * d_len);
+        memset(v, 0, sizeof(float) * KEY_BLOCK * d_len);
     }
-    for (int32_t j = 0; j < count; j++) {
-        const int32_t key = key0 + j;
-        const int64_t block = table[key / a->block_size], slot = key % a->block_size;
-        const int64_t k_at = block * a->kc_stride_b + slot * a->kc_stride_t + kv_head * a->kc_stride_h;
-        const int64_t v_at = block * a->vc_stride_b + slot * a->vc_stride_t + kv_head * a->vc_stride_h;
+    for (int32_t j0 = 0; j0 < count; j0 += LANES) {
+        const int n = count - j0 < LANES ? count - j0 : LANES;
+        int64_t k_at[LANES];
+        for (int i = 0; i < n; i++) {
+            const int32_t key = key0 + j0 + i;
+            const int64_t block = table[key / a->block_size], slot = key % a->block_size;
+            k_at[i] = block * a->kc_stride_b + slot * a->kc_stride_t + kv_head * a->kc_stride_h;
+            const int64_t v_at = block * a->vc_stride_b + slot * a->vc_stride_t + kv_head * a->vc_stride_h;
+            for (int32_t d = 0; d < d_len; d += LANES) {
+                const vfloat v_vec = load_lanes(a->v_cache, v_at + d, bf16);
+                memcpy(v + (j0 + i) * d_len + d, &v_vec, sizeof v_vec);
+            }
+        }
         for (int32_t d = 0; d < d_len; d += LANES) {
-            const vfloat k_vec = load_lanes(a->k_cache, k_at + d, bf16);
-            for (int l = 0; l < LANES; l++)
-                kt[(d + l) * KEY_TILE + j] = k_vec[l];
-            const vfloat v_vec = load_lanes(a->v_cache, v_at + d, bf16);
-            memcpy(v + j * d_len + d, &v_vec, sizeof v_vec);
+            vfloat rows[LANES];
+            for (int i = 0; i < LANES; i++)
+                rows[i] = i < n ? load_lanes(a->k_cache, k_at[i] + d, bf16) : (vfloat){0};
+            transpose_lanes(rows);
+            for (int i = 0; i < LANES; i++)
+                memcpy(kt + (d + i) * KEY_BLOCK + j0, &rows[i], sizeof rows[i]);
         }
     }
 }
 
+/* The float32 path works on blocks of KEY_BLOCK keys, as two small matrix products with the
+ * online softmax between them, MICRO_ROWS rows by MICRO_VECS vectors at a time (AVX2: 12
+ * accumulators, two loaded vectors and a broadcast in its 16 registers): per step two loads, a
+ * broadcast per row and 2 * MICRO_ROWS fused multiply-adds, the accumulators in registers across
+ * the whole head_dim (scores) or block (values). */
+
+/* Scores of rows [0, mr) (scaled queries q, d_len apart) against keys j0 .. j0 + nv * LANES - 1
+ * of the transposed block kt, into s (KEY_BLOCK apart). */
+static inline __attribute__((always_inline)) void block_scores(const float *q, const float *kt, float *s, int32_t j0,
+                                                               const int32_t d_len, const int mr, const int nv)
+{
+    vfloat acc[MICRO_ROWS][MICRO_VECS];
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c++)
+            acc[i][c] = (vfloat){0};
+    for (int32_t d = 0; d < d_len; d++) {
+        vfloat k[MICRO_VECS];
+        for (int c = 0; c < nv; c++)
+            memcpy(&k[c], kt + d * KEY_BLOCK + j0 + c * LANES, sizeof k[c]);
+        for (int i = 0; i < mr; i++) {
+            const vfloat qi = (vfloat){0} + q[i * d_len + d];
+            for (int c = 0; c < nv; c++)
+                acc[i][c] += qi * k[c];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c++)
+            memcpy(s + i * KEY_BLOCK + j0 + c * LANES, &acc[i][c], sizeof acc[i][c]);
+}
+
+/* Rows [0, mr) of the output (acc, d_len apart), dims d0 .. d0 + nv * LANES - 1, plus their
+ * weights p (KEY_BLOCK apart) times the block's first `count` values v. */
+static inline __attribute__((always_inline)) void block_values(const float *p, const float *v, float *acc, int32_t d0,
+                                                               int32_t count, const int32_t d_len, const int mr,
+                                                               const int nv)
+{
+    vfloat o[MICRO_ROWS][MICRO_VECS];
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c++)
+            memcpy(&o[i][c], acc + i * d_len + d0 + c * LANES, sizeof o[i][c]);
+    for (int32_t j = 0; j < count; j++) {
+        vfloat vv[MICRO_VECS];
+        for (int c = 0; c < nv; c++)
+            memcpy(&vv[c], v + j * d_len + d0 + c * LANES, sizeof vv[c]);
+        for (int i = 0; i < mr; i++) {
+            const vfloat pi = (vfloat){0} + p[i * KEY_BLOCK + j];
+            for (int c = 0; c < nv; c++)
+                o[i][c] += pi * vv[c];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c++)
+            memcpy(acc + i * d_len + d0 + c * LANES, &o[i][c], sizeof o[i][c]);
+}
+
+/* One row's scores of a block (its first `visible` keys count) turned into their weights in
+ * place; the row's running max m and sum l move on, and its output shrinks where the max grew. */
+static inline __attribute__((always_inline)) void block_softmax(float *s, float *m, float *l, float *acc,
+                                                                int32_t visible, const int32_t d_len)
+{
+    vint lane;
+    for (int j = 0; j < LANES; j++)
+        lane[j] = j;
+    /* scores stay in s between the passes: a local array of vectors was written in halves and
+     * read whole, which stalls store forwarding */
+    vfloat top = (vfloat){0} + MASKED;
+    for (int c = 0; c < KEY_BLOCK / LANES; c++) {
+        vfloat scores;
+        memcpy(&scores, s + c * LANES, sizeof scores);
+        scores = select_lanes(lane + c * LANES < visible, scores, (vfloat){0} + MASKED);
+        memcpy(s + c * LANES, &scores, sizeof scores);
+        top = select_lanes(scores > top, scores, top);
+    }
+    const float block_max = max_of_lanes(top), new_max = block_max > *m ? block_max : *m;
+    vfloat sum = {0};
+    for (int c = 0; c < KEY_BLOCK / LANES; c++) {
+        vfloat scores;
+        memcpy(&scores, s + c * LANES, sizeof scores);
+        const vfloat e = exp_lanes(scores - new_max);
+        sum += e;
+        memcpy(s + c * LANES, &e, sizeof e);
+    }
+    if (new_max != *m) {
+        const float correction = exp_lanes((vfloat){0} + (*m - new_max))[0];
+        for (int32_t d = 0; d < d_len; d += LANES) {
+            vfloat o;
+            memcpy(&o, acc + d, sizeof o);
+            o *= correction;
+            memcpy(acc + d, &o, sizeof o);
+        }
+        *l *= correction;
+        *m = new_max;
+    }
+    *l += sum_of_lanes(sum);
+}
+
+/* Rows [0, mr) (a constant, as nv below) against one block of `count` keys: scores, softmax,
+ * values. s is the rows' scratch of KEY_BLOCK scores each; every row sees the block's key 0. */
+static inline __attribute__((always_inline)) void attend_block_rows(const float *q, float *acc, float *m, float *l,
+                                                                    const int32_t *pos, int32_t key0, int32_t count,
+                                                                    const float *kt, const float *v, float *s,
+                                                                    const int32_t d_len, const int mr)
+{
+    const int32_t strip = MICRO_VECS * LANES;
+    for (int32_t j0 = 0; j0 < count; j0 += strip)
+        block_scores(q, kt, s, j0, d_len, mr, MICRO_VECS); /* KEY_BLOCK is whole strips: padded keys score 0 */
+    for (int i = 0; i < mr; i++) {
+        const int32_t visible = pos[i] - key0 + 1 < count ? pos[i] - key0 + 1 : count;
+        block_softmax(s + i * KEY_BLOCK, m + i, l + i, acc + i * d_len, visible, d_len);
+    }
+    int32_t d0 = 0;
+    for (; d0 + strip <= d_len; d0 += strip)
+        block_values(s, v, acc, d0, count, d_len, mr, MICRO_VECS);
+    for (; d0 < d_len; d0 += LANES) /* head_dim is whole vectors, not always whole strips */
+        block_values(s, v, acc, d0, count, d_len, mr, 1);
+}
+
+/* Every row of an item that sees the block of `count` keys at key0, MICRO_ROWS at a time; d_len
+ * a constant where the caller passes one. Rows ascend by position, so those are a suffix. */
+static inline __attribute__((always_inline)) void attend_block(const float *q, float *acc, float *m, float *l,
+                                                               const int32_t *pos, int rows, int32_t key0,
+                                                               int32_t count, const float *kt, const float *v,
+                                                               float *s, const int32_t d_len)
+{
+    int r = 0;
+    while (r < rows && pos[r] < key0)
+        r++;
+    for (; r < rows; r += MICRO_ROWS) {
+        const float *qr = q + r * d_len;
+        float *ar = acc + r * d_len;
+        switch (rows - r < MICRO_ROWS ? rows - r : MICRO_ROWS) {
+#define ROWS_CASE(n)                                                                                   \
+    case n:                                                                                            \
+        attend_block_rows(qr, ar, m + r, l + r, pos + r, key0, count, kt, v, s, d_len, n);             \
+        break;
+            ROWS_CASE(1)
+            ROWS_CASE(2)
+            ROWS_CASE(3)
+            ROWS_CASE(4)
+            ROWS_CASE(5)
+            ROWS_CASE(6)
+#undef ROWS_CASE
+        }
+    }
+}
+
+#if HAVE_BF16_DOT
 /* One row's scores of a tile: its online softmax moves on to them, and returns their weights
  * (keys past `visible` weigh 0) and by how much the row's output shrinks first. */
 static inline __attribute__((always_inline)) vfloat softmax_step(vfloat scores, float *m, vfloat *l, int32_t visible,
@@ -179,57 +366,6 @@ static inline __attribute__((always_inline)) vfloat softmax_step(vfloat scores, 
     return e;
 }
 
-/* `n` rows (a constant: ROW_GROUP or 1) against one tile: scores, online softmax, values. Each
- * key vector loaded serves all n rows' scores, each value vector all n rows' outputs. Row r's
- * scaled query is at q[r * d_len], its output accumulator at acc[r * d_len], its running max
- * and sums at m[r], l[r]; it sees the tile's first visible[r] keys. */
-static inline __attribute__((always_inline)) void attend_rows(const float *q, float *acc, float *m, vfloat *l,
-                                                              const int32_t *visible, const float *kt, const float *v,
-                                                              const int32_t d_len, const int n)
-{
-    vfloat s[ROW_GROUP][SCORE_CHAINS] = {0};
-    /* n rows give n chains of adds; a lone row splits its dims over SCORE_CHAINS chains */
-    const int chains = n == 1 ? SCORE_CHAINS : 1;
-    for (int32_t d = 0; d < d_len; d += chains)
-        for (int c = 0; c < chains; c++) {
-            vfloat k_vec;
-            memcpy(&k_vec, kt + (d + c) * KEY_TILE, sizeof k_vec);
-            for (int r = 0; r < n; r++)
-                s[r][c] += q[r * d_len + d + c] * k_vec;
-        }
-    float w[ROW_GROUP][KEY_TILE], correction[ROW_GROUP];
-    for (int r = 0; r < n; r++) {
-        for (int c = 1; c < chains; c++)
-            s[r][0] += s[r][c];
-        const vfloat e = softmax_step(s[r][0], m + r, l + r, visible[r], correction + r);
-        memcpy(w[r], &e, sizeof e);
-    }
-    /* the output a chunk of OUT_VECS / n vectors a row at a time, kept in registers across the
-     * tile's keys: one chain of adds per vector, not one per key */
-    const int chunk = OUT_VECS / n;
-    for (int32_t d0 = 0; d0 < d_len; d0 += chunk * LANES) {
-        const int vecs = (d_len - d0) / LANES < chunk ? (d_len - d0) / LANES : chunk;
-        vfloat o[ROW_GROUP][OUT_VECS];
-        for (int r = 0; r < n; r++)
-            for (int c = 0; c < vecs; c++) {
-                memcpy(&o[r][c], acc + r * d_len + d0 + c * LANES, sizeof o[r][c]);
-                if (correction[r] != 1.0f)
-                    o[r][c] *= correction[r];
-            }
-        for (int j = 0; j < KEY_TILE; j++)
-            for (int c = 0; c < vecs; c++) {
-                vfloat v_vec;
-                memcpy(&v_vec, v + j * d_len + d0 + c * LANES, sizeof v_vec);
-                for (int r = 0; r < n; r++)
-                    o[r][c] += w[r][j] * v_vec;
-            }
-        for (int r = 0; r < n; r++)
-            for (int c = 0; c < vecs; c++)
-                memcpy(acc + r * d_len + d0 + c * LANES, &o[r][c], sizeof o[r][c]);
-    }
-}
-
-#if HAVE_BF16_DOT
 /* The bf16 tile as AVX512-BF16's dot products take it: key pairs transposed, kp[p * KEY_TILE + j]
  * the two bf16 k_j[2p], k_j[2p + 1] as one word, and value pairs interleaved, vp[(j / 2) * d_len + d]
  * the two v_j[d], v_(j+1)[d] (j even). Keys past `count` are zero. */
@@ -313,16 +449,13 @@ static inline __attribute__((always_inline)) void attend_rows_dot(const uint32_t
     }
 }
 
-#endif
-
 /* Every row of an item that sees any of the tile starting at key0, ROW_GROUP at a time where
- * it can, on float32 FMAs (q, kt, v floats) or, with `dot`, bf16 dot products (q, kt, v pairs);
- * d_len and dot constants where the caller passes them, so the loops unroll. Rows ascend by
- * position, so those that see the tile are a suffix. */
-static inline __attribute__((always_inline)) void attend_tile(const void *q, float *acc, float *m, vfloat *l,
-                                                              const int32_t *pos, int rows, int32_t key0,
-                                                              const void *kt, const void *v, float scale,
-                                                              const int32_t d_len, const int dot)
+ * it can, on bf16 dot products (q, kt, v pairs); d_len a constant where the caller passes one,
+ * so the loops unroll. Rows ascend by position, so those that see the tile are a suffix. */
+static inline __attribute__((always_inline)) void attend_tile_dot(const uint32_t *q, float *acc, float *m, vfloat *l,
+                                                                  const int32_t *pos, int rows, int32_t key0,
+                                                                  const uint32_t *kt, const uint32_t *v, float scale,
+                                                                  const int32_t d_len)
 {
     int r = 0;
     while (r < rows && pos[r] < key0)
@@ -332,27 +465,18 @@ static inline __attribute__((always_inline)) void attend_tile(const void *q, flo
         const int n = rows - r >= ROW_GROUP ? ROW_GROUP : 1;
         for (int i = 0; i < n; i++)
             visible[i] = pos[r + i] - key0 + 1;
-#if HAVE_BF16_DOT
-        if (dot) {
-            if (n == ROW_GROUP)
-                attend_rows_dot((const uint32_t *)q + r * d_len / 2, acc + r * d_len, m + r, l + r, visible, kt, v,
-                                scale, d_len, ROW_GROUP);
-            else
-                attend_rows_dot((const uint32_t *)q + r * d_len / 2, acc + r * d_len, m + r, l + r, visible, kt, v,
-                                scale, d_len, 1);
-            r += n;
-            continue;
-        }
-#endif
         if (n == ROW_GROUP)
-            attend_rows((const float *)q + r * d_len, acc + r * d_len, m + r, l + r, visible, kt, v, d_len, ROW_GROUP);
+            attend_rows_dot(q + r * d_len / 2, acc + r * d_len, m + r, l + r, visible, kt, v, scale, d_len, ROW_GROUP);
         else
-            attend_rows((const float *)q + r * d_len, acc + r * d_len, m + r, l + r, visible, kt, v, d_len, 1);
+            attend_rows_dot(q + r * d_len / 2, acc + r * d_len, m + r, l + r, visible, kt, v, scale, d_len, 1);
         r += n;
     }
 }
 
-/* `dot`: bf16 on AVX512-BF16's dot products (HAVE_BF16_DOT, head_dim a multiple of 32). */
+#endif
+
+/* `dot`: bf16 on AVX512-BF16's dot products (HAVE_BF16_DOT, head_dim a multiple of 32), tiles of
+ * KEY_TILE keys; otherwise float32 FMAs over blocks of KEY_BLOCK keys. */
 static void run_item(const PagedArgs *a, const Item *item, float *scratch, const int bf16, const int dot)
 {
     const int32_t d_len = a->head_dim, group = a->num_heads / a->num_kv_heads;
@@ -361,15 +485,18 @@ static void run_item(const PagedArgs *a, const Item *item, float *scratch, const
     const int32_t seq_len = a->seq_lens[item->req];
     const int32_t *table = a->block_tables + item->req * a->bt_stride;
     const int rows = (item->last - item->first) * group;
-    float *q = scratch, *acc = q + rows * d_len, *kt = acc + rows * d_len, *v = kt + KEY_TILE * d_len;
-    vfloat *l = (vfloat *)(v + KEY_TILE * d_len); /* LANES-aligned: everything before is whole vectors */
-    float *m = (float *)(l + rows);
+    /* the layout of item_scratch_floats; each part whole vectors, so the vfloat sums are aligned */
+    float *q = scratch, *acc = q + rows * d_len, *kt = acc + rows * d_len, *v = kt + KEY_BLOCK * d_len;
+    float *s = v + KEY_BLOCK * d_len;
+    vfloat *lane_sums = (vfloat *)(s + MICRO_ROWS * KEY_BLOCK); /* the dot path's sums, lane by lane */
+    float *sums = (float *)(lane_sums + rows), *m = sums + rows;
     int32_t *pos = (int32_t *)(m + rows);
 
     memset(acc, 0, sizeof(float) * rows * d_len);
     for (int r = 0; r < rows; r++) {
         m[r] = MASKED;
-        l[r] = (vfloat){0};
+        sums[r] = 0.0f;
+        lane_sums[r] = (vfloat){0};
     }
     for (int r = 0; r < rows; r++) {
         const int32_t token = item->first + r / group, head = item->kv_head * group + r % group;
@@ -386,34 +513,47 @@ static void run_item(const PagedArgs *a, const Item *item, float *scratch, const
     }
 
     const int32_t num_keys = pos[rows - 1] + 1;
-    for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_TILE) {
-        const int32_t count = num_keys - key0 < KEY_TILE ? num_keys - key0 : KEY_TILE;
 #if HAVE_BF16_DOT
-        if (dot) {
+    if (dot) {
+        for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_TILE) {
+            const int32_t count = num_keys - key0 < KEY_TILE ? num_keys - key0 : KEY_TILE;
             load_tile_pairs(a, table, item->kv_head, key0, count, (uint32_t *)kt, (uint32_t *)v);
+            const uint32_t *qp = (const uint32_t *)q, *kp = (const uint32_t *)kt, *vp = (const uint32_t *)v;
             if (d_len == 64)
-                attend_tile(q, acc, m, l, pos, rows, key0, kt, v, a->scale, 64, 1);
+                attend_tile_dot(qp, acc, m, lane_sums, pos, rows, key0, kp, vp, a->scale, 64);
             else
-                attend_tile(q, acc, m, l, pos, rows, key0, kt, v, a->scale, d_len, 1);
-            continue;
+                attend_tile_dot(qp, acc, m, lane_sums, pos, rows, key0, kp, vp, a->scale, d_len);
         }
-#endif
-        load_tile(a, table, item->kv_head, key0, count, kt, v, bf16);
-        if (d_len == 64)
-            attend_tile(q, acc, m, l, pos, rows, key0, kt, v, a->scale, 64, 0);
-        else
-            attend_tile(q, acc, m, l, pos, rows, key0, kt, v, a->scale, d_len, 0);
+        for (int r = 0; r < rows; r++)
+            sums[r] = sum_of_lanes(lane_sums[r]);
     }
+#endif
+    if (!dot)
+        for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_BLOCK) {
+            const int32_t count = num_keys - key0 < KEY_BLOCK ? num_keys - key0 : KEY_BLOCK;
+            load_block(a, table, item->kv_head, key0, count, kt, v, bf16);
+            if (d_len == 64)
+                attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, 64);
+            else
+                attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, d_len);
+        }
     for (int r = 0; r < rows; r++) {
         const int32_t token = item->first + r / group, head = item->kv_head * group + r % group;
         const int64_t at = (int64_t)(q_start + token) * a->out_stride_r + head * a->out_stride_h;
-        const float inverse = 1.0f / sum_of_lanes(l[r]);
+        const float inverse = 1.0f / sums[r];
         for (int32_t d = 0; d < d_len; d += LANES) {
             vfloat o;
             memcpy(&o, acc + r * d_len + d, sizeof o);
             store_lanes(a->out, at + d, o * inverse, bf16);
         }
     }
+}
+
+/* Floats of a work item's scratch (run_item's layout): q and output rows, a key block and its
+ * values, MICRO_ROWS rows of scores, each row's sums (a vector and a float), max and position. */
+static size_t item_scratch_floats(int64_t max_rows, int32_t head_dim)
+{
+    return (size_t)(2 * max_rows * head_dim + 2 * KEY_BLOCK * head_dim + MICRO_ROWS * KEY_BLOCK + (LANES + 3) * max_rows);
 }
 
 /* Whether a call with this head_dim and dtype code runs on bf16 dot products. */
@@ -461,8 +601,7 @@ int paged_prefill_attention(void *out, int64_t out_stride_r, int64_t out_stride_
                 items[n++] = (Item){i, h, first, first + ITEM_TOKENS < q_len ? first + ITEM_TOKENS : q_len};
     }
     const int64_t max_rows = (int64_t)ITEM_TOKENS * (num_heads / num_kv_heads);
-    /* q and acc rows, the key and value tile, max and sum per row, positions */
-    const size_t scratch_floats = (size_t)(2 * max_rows * head_dim + 2 * KEY_TILE * head_dim + (LANES + 2) * max_rows);
+    const size_t scratch_floats = item_scratch_floats(max_rows, head_dim);
     const int dot = paged_prefill_attention_uses_bf16_dot(head_dim, dtype);
     int failed = 0;
 #pragma omp parallel

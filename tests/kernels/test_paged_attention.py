@@ -98,10 +98,13 @@ def cpu_kernel() -> None:
 CPU_EXTRA_CASES: list[Case] = [
     ([5, 90, 33], [1] * 3, 10, 2, 80, 16), ([300, 1, 47], [1, 1, 1], 9, 3, 64, 16), ([40, 17], [1, 1], 4, 2, 32, 16),
 ]
-# prefill chunks over the prefill kernel's work items (64 query tokens) and key tiles: several
-# items, a cached prefix ending mid-tile, a lone query row past the groups of 4, head_dim 80
+# prefill chunks over the prefill kernel's work items (64 query tokens) and key blocks (64
+# keys; 16-key tiles on bf16 dot products): several items, a cached prefix ending mid-block, one
+# key past two whole blocks, row counts that are not whole micro-tiles of 6 rows (or groups of
+# 4), head_dim 80
 CPU_EXTEND_CASES: list[Case] = [
     ([150, 1, 64], [150, 1, 64], 9, 3, 64, 16),
+    ([129, 64], [129, 60], 9, 3, 64, 16),
     ([203, 70], [131, 2], 6, 2, 80, 32),
     ([33], [5], 1, 1, 32, 16),
 ]
