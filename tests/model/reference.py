@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 TEXT = (
@@ -20,11 +18,18 @@ TEXT = (
 
 class Reference:
     def __init__(self, model_path: str) -> None:
+        """transformers on the model's Hugging Face folder (bench.hf_export, kept in the disk cache):
+        reading the GGUF through transformers' own dequantiser took 30-40 s a session on a slow
+        2-core machine. That the two give the same weights is tests/model/test_architectures.py's
+        test_hf_folder_and_gguf_give_the_same_weights, and that the folder holds what the workers
+        load is tests/bench/test_hf_export.py's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        folder, file = os.path.split(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
+        from bench.hf_export import hf_checkpoint
+
+        folder = hf_checkpoint(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         self.corpus = self.tokenizer(TEXT * 40, add_special_tokens=False).input_ids
 
     def prompt(self, length: int, offset: int = 0) -> list[int]:
