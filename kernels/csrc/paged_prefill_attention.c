@@ -16,8 +16,8 @@
  * In float32 (and bf16 without the dot products below) the item walks its keys KEY_BLOCK at a
  * time, each block widened once into float32 and shared by all its rows: the keys transposed
  * (dims x keys), the values as they are. A block is two small matrix products with the online
- * softmax between them, computed MICRO_ROWS rows at a time by register-blocked kernels (see
- * block_scores): the scores of those rows, then their softmax (a horizontal max, and a rescaling
+ * softmax between them, computed MICRO_ROWS rows at a time by one register-blocked kernel (see
+ * micro_product): the scores of those rows, then their softmax (a horizontal max, and a rescaling
  * of a row's output only where its max grew), then their output. On one Zen 3 core, float32,
  * 9 query heads on 3 kv heads, a layer: 8 prompts of 256 tokens 40 -> 20 ms, one of 2,048 tokens
  * 237 -> 126 ms against the tiles of LANES keys this path had before (those the dot path keeps).
@@ -196,53 +196,37 @@ static inline __attribute__((always_inline)) void load_block(const PagedArgs *a,
  * broadcast per row and 2 * MICRO_ROWS fused multiply-adds, the accumulators in registers across
  * the whole head_dim (scores) or block (values). */
 
-/* Scores of rows [0, mr) (scaled queries q, d_len apart) against keys j0 .. j0 + nv * LANES - 1
- * of the transposed block kt, into s (KEY_BLOCK apart). */
-static inline __attribute__((always_inline)) void block_scores(const float *q, const float *kt, float *s, int32_t j0,
-                                                               const int32_t d_len, const int mr, const int nv)
+/* c[i][0 .. nv * LANES) (+)= sum over k < depth of a[i][k] * b[k][0 .. nv * LANES), for rows
+ * i < mr, rows of a, b and c a_stride, b_stride and c_stride apart; c starts from zero unless
+ * `accumulate`. The block's two products are this one: the scores (a the scaled queries, b the
+ * transposed keys, depth head_dim) and the output (a the softmax weights, b the values, depth
+ * the block's keys, accumulating). mr and nv are constants where the caller passes them, so
+ * the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void micro_product(const float *a, int64_t a_stride, const float *b,
+                                                                int64_t b_stride, int32_t depth, float *c,
+                                                                int64_t c_stride, const int accumulate, const int mr,
+                                                                const int nv)
 {
     vfloat acc[MICRO_ROWS][MICRO_VECS];
     for (int i = 0; i < mr; i++)
-        for (int c = 0; c < nv; c++)
-            acc[i][c] = (vfloat){0};
-    for (int32_t d = 0; d < d_len; d++) {
-        vfloat k[MICRO_VECS];
-        for (int c = 0; c < nv; c++)
-            memcpy(&k[c], kt + d * KEY_BLOCK + j0 + c * LANES, sizeof k[c]);
+        for (int v = 0; v < nv; v++) {
+            acc[i][v] = (vfloat){0};
+            if (accumulate)
+                memcpy(&acc[i][v], c + i * c_stride + v * LANES, sizeof acc[i][v]);
+        }
+    for (int32_t k = 0; k < depth; k++) {
+        vfloat bk[MICRO_VECS];
+        for (int v = 0; v < nv; v++)
+            memcpy(&bk[v], b + k * b_stride + v * LANES, sizeof bk[v]);
         for (int i = 0; i < mr; i++) {
-            const vfloat qi = (vfloat){0} + q[i * d_len + d];
-            for (int c = 0; c < nv; c++)
-                acc[i][c] += qi * k[c];
+            const vfloat ai = (vfloat){0} + a[i * a_stride + k];
+            for (int v = 0; v < nv; v++)
+                acc[i][v] += ai * bk[v];
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int c = 0; c < nv; c++)
-            memcpy(s + i * KEY_BLOCK + j0 + c * LANES, &acc[i][c], sizeof acc[i][c]);
-}
-
-/* Rows [0, mr) of the output (acc, d_len apart), dims d0 .. d0 + nv * LANES - 1, plus their
- * weights p (KEY_BLOCK apart) times the block's first `count` values v. */
-static inline __attribute__((always_inline)) void block_values(const float *p, const float *v, float *acc, int32_t d0,
-                                                               int32_t count, const int32_t d_len, const int mr,
-                                                               const int nv)
-{
-    vfloat o[MICRO_ROWS][MICRO_VECS];
-    for (int i = 0; i < mr; i++)
-        for (int c = 0; c < nv; c++)
-            memcpy(&o[i][c], acc + i * d_len + d0 + c * LANES, sizeof o[i][c]);
-    for (int32_t j = 0; j < count; j++) {
-        vfloat vv[MICRO_VECS];
-        for (int c = 0; c < nv; c++)
-            memcpy(&vv[c], v + j * d_len + d0 + c * LANES, sizeof vv[c]);
-        for (int i = 0; i < mr; i++) {
-            const vfloat pi = (vfloat){0} + p[i * KEY_BLOCK + j];
-            for (int c = 0; c < nv; c++)
-                o[i][c] += pi * vv[c];
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int c = 0; c < nv; c++)
-            memcpy(acc + i * d_len + d0 + c * LANES, &o[i][c], sizeof o[i][c]);
+        for (int v = 0; v < nv; v++)
+            memcpy(c + i * c_stride + v * LANES, &acc[i][v], sizeof acc[i][v]);
 }
 
 /* One row's scores of a block (its first `visible` keys count) turned into their weights in
@@ -294,17 +278,17 @@ static inline __attribute__((always_inline)) void attend_block_rows(const float 
                                                                     const int32_t d_len, const int mr)
 {
     const int32_t strip = MICRO_VECS * LANES;
-    for (int32_t j0 = 0; j0 < count; j0 += strip)
-        block_scores(q, kt, s, j0, d_len, mr, MICRO_VECS); /* KEY_BLOCK is whole strips: padded keys score 0 */
+    for (int32_t j0 = 0; j0 < count; j0 += strip) /* KEY_BLOCK is whole strips: padded keys score 0 */
+        micro_product(q, d_len, kt + j0, KEY_BLOCK, d_len, s + j0, KEY_BLOCK, 0, mr, MICRO_VECS);
     for (int i = 0; i < mr; i++) {
         const int32_t visible = pos[i] - key0 + 1 < count ? pos[i] - key0 + 1 : count;
         block_softmax(s + i * KEY_BLOCK, m + i, l + i, acc + i * d_len, visible, d_len);
     }
     int32_t d0 = 0;
     for (; d0 + strip <= d_len; d0 += strip)
-        block_values(s, v, acc, d0, count, d_len, mr, MICRO_VECS);
+        micro_product(s, KEY_BLOCK, v + d0, d_len, count, acc + d0, d_len, 1, mr, MICRO_VECS);
     for (; d0 < d_len; d0 += LANES) /* head_dim is whole vectors, not always whole strips */
-        block_values(s, v, acc, d0, count, d_len, mr, 1);
+        micro_product(s, KEY_BLOCK, v + d0, d_len, count, acc + d0, d_len, 1, mr, 1);
 }
 
 /* Every row of an item that sees the block of `count` keys at key0, MICRO_ROWS at a time; d_len
