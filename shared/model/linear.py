@@ -28,9 +28,12 @@ import torch.nn.functional as F
 from kernels import quantized_linear as block_kernel
 from kernels.quantized_linear import QuantizedWeight
 
-# the most rows a product sends to the block kernel: about where both products become bound by
-# arithmetic and oneDNN's is as fast (measured on a 2-core AVX2 EPYC: see docs/kernels.md)
-QUANTIZED_MAX_ROWS = 24
+# the most rows a product sends to the block kernel: about where both products are bound by
+# arithmetic and oneDNN's becomes as fast. Measured on 2-core AVX2 EPYCs (docs/kernels.md), where
+# oneDNN's float32 product is 8 lanes wide like the kernel's; with AVX-512 oneDNN's lanes are twice
+# as wide, and the bound stays at the 24 rows chosen before the kernel's tiles kept their loads in
+# registers (the crossover there is not measured)
+QUANTIZED_MAX_ROWS = 32 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 24
 
 
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -54,10 +54,11 @@ def test_dequantize_is_bitwise_ggufs_dequantiser(block_format: str) -> None:
     assert torch.equal(dequantize(weight), torch.from_numpy(np.asarray(expected, dtype=np.float32)))
 
 
-# rows: every tile height (1-4) and a remainder after full tiles; 7 output rows leave one
+# rows: every tile height of the register-widening path (1-4) and of the widened one (3-6: 7 as
+# 4 + 3, 8 as 4 + 4, 11 as 6 + 5, 13 as 5 + 4 + 4, 24 as 4 x 6); 7 output rows leave one
 # row of weights over, which the plain loop takes; the bias is optional
 @pytest.mark.parametrize("block_format", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 13, 24])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_the_reference(block_format: str, rows: int, with_bias: bool, built: None) -> None:
     weight = random_blocks(block_format, 7, 160, seed=rows)
