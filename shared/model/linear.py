@@ -18,6 +18,16 @@ QUANTIZED_MAX_ROWS rows (decode steps) run `kernels.quantized_linear` over the b
 instead: the same float32 weights, read at 0.6-1.1 bytes each instead of 4, which is what a
 small batch waits for. Above that the packed float32 weight is faster (the product is bound
 by arithmetic, and oneDNN's is better than widening blocks on the fly).
+
+At prefill sizes on an AVX2 CPU, float32, the layers' products of at least PLAIN_MIN_ROWS rows
+go back to F.linear (MKL) on a plain copy of the weight: on the 2-core EPYC of machine J
+(docs/benchmarks.md) MKL took 9-13% less time than oneDNN for the model's 210 layer products at
+96-2,048 rows on one core, and 7-11% less at 512-1,024 rows on two, which made the guide's burst
+about 10% faster end to end (the prefill worker's core sets its pace). Below 256 rows on two
+threads oneDNN was as fast or faster (26% at 64 rows), so decode batches stay with it. The plain
+copy costs the layers' float32 weights once more (425 MB for the default model); the LM head,
+whose products are one row per request, keeps none. Elsewhere (AVX-512, bf16) this was not
+measured, and every product of more than QUANTIZED_MAX_ROWS rows stays with oneDNN.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from kernels.quantized_linear import QuantizedWeight
 # as wide, and the bound stays at the 24 rows chosen before the kernel's tiles kept their loads in
 # registers (the crossover there is not measured)
 QUANTIZED_MAX_ROWS = 32 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 24
+# the fewest rows a layer's product sends to MKL where `plain_products_faster` (prefill sizes)
+PLAIN_MIN_ROWS = 256
 
 
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -47,19 +59,31 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def plain_products_faster(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether MKL (F.linear on the plain weight) beats the oneDNN-packed one at PLAIN_MIN_ROWS rows
+    and more here: float32 on an AVX2 CPU, where it was measured (see the module's docstring)."""
+    return (
+        dtype == torch.float32 and onednn_packing_available(dtype, device)
+        and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    )
+
+
 def quantized_kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `Linear` can run block-format weights here: float32 on the CPU, with the kernel built."""
     return dtype == torch.float32 and device.type == "cpu" and block_kernel.load() is not None
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "packed", "quantized")
+    __slots__ = ("weight", "bias", "packed", "quantized", "plain")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantized: QuantizedWeight | None = None
+        self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantized: QuantizedWeight | None = None,
+        keep_plain: bool = False,
     ) -> None:
         """`weight` [out_features, in_features]; `pack` reorders it for oneDNN (CPU float32, or bf16 where native);
-        `quantized`: the same weight as blocks, for small products (see `quantized_kernel_available`)."""
+        `quantized`: the same weight as blocks, for small products (see `quantized_kernel_available`);
+        `keep_plain`: beside the packed weight, the plain one for products of PLAIN_MIN_ROWS rows and more
+        (see `plain_products_faster`)."""
         if quantized is not None and (quantized.out_features, quantized.in_features) != tuple(weight.shape):
             raise ValueError(
                 f"the block copy of a weight must have its shape {list(weight.shape)}, "
@@ -70,10 +94,13 @@ class Linear:
         self.quantized = quantized
         # the packed copy replaces the plain one: keeping both would double the weights' memory
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
+        self.plain = weight if pack and keep_plain else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
             return block_kernel.quantized_linear(x if x.stride(-1) == 1 else x.contiguous(), self.quantized, self.bias)
+        if self.plain is not None and x.shape[0] >= PLAIN_MIN_ROWS:
+            return F.linear(x, self.plain, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -83,6 +110,6 @@ class Linear:
         return self.weight.shape[0]
 
     def num_bytes(self) -> int:
-        tensors = [self.weight] + ([] if self.bias is None else [self.bias])
+        tensors = [t for t in (self.weight, self.plain, self.bias) if t is not None]
         blocks = 0 if self.quantized is None else self.quantized.num_bytes()
         return sum(t.numel() * t.element_size() for t in tensors) + blocks

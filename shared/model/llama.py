@@ -20,7 +20,14 @@ from kernels.rms_norm import rms_norm
 from kernels.rotary import rotate_and_write_kv
 from shared.model.config import ModelConfig
 from kernels.quantized_linear import QuantizedWeight
-from shared.model.linear import QUANTIZED_MAX_ROWS, Linear, onednn_packing_available, quantized_kernel_available
+from shared.model.linear import (
+    PLAIN_MIN_ROWS,
+    QUANTIZED_MAX_ROWS,
+    Linear,
+    onednn_packing_available,
+    plain_products_faster,
+    quantized_kernel_available,
+)
 from shared.model.rotary import cos_sin_cache
 
 logger = logging.getLogger(__name__)
@@ -60,11 +67,12 @@ class LlamaModel:
         self.between_layers: Callable[[], None] | None = None
         pack = onednn_packing_available(dtype, device)
         blocks = (quantized or {}) if quantized_kernel_available(dtype, device) else {}
+        keep_plain = plain_products_faster(dtype, device)
 
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        def linear(*names: str) -> Linear:
+        def linear(*names: str, plain: bool = keep_plain) -> Linear:
             """One product for the named projections, their output rows stacked in that order."""
             bias_names = [n.removesuffix("weight") + "bias" for n in names]
             if any(b in weights for b in bias_names) and not all(b in weights for b in bias_names):
@@ -73,11 +81,13 @@ class LlamaModel:
             parts = [blocks[n] for n in names if n in blocks]
             one_format = len(parts) == len(names) and len({p.format for p in parts}) == 1
             stacked = QuantizedWeight.stack(parts) if one_format else None
-            return Linear(torch.cat([take(n) for n in names]).contiguous(), bias, pack, stacked)
+            return Linear(torch.cat([take(n) for n in names]).contiguous(), bias, pack, stacked, plain)
 
         self.embed_tokens = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        self.lm_head = linear("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+        # one row per request: never prefill-sized, so no plain copy
+        lm_head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = linear(lm_head_name, plain=False)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -97,8 +107,10 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         layers = [self.lm_head] + [lin for w in self.layers for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
         in_blocks = sum(lin.quantized is not None for lin in layers)
-        logger.info("linear layers: %s; %d of %d also as GGUF blocks for products of up to %d rows",
-                    "oneDNN, packed at load" if pack else "F.linear", in_blocks, len(layers), QUANTIZED_MAX_ROWS)
+        logger.info("linear layers: %s%s; %d of %d also as GGUF blocks for products of up to %d rows",
+                    "oneDNN, packed at load" if pack else "F.linear",
+                    f", MKL on a plain copy from {PLAIN_MIN_ROWS} rows" if keep_plain else "", in_blocks, len(layers),
+                    QUANTIZED_MAX_ROWS)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take here, the packed copy of a tied LM head included."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model.linear import Linear, onednn_packing_available
+from shared.model.linear import PLAIN_MIN_ROWS, Linear, onednn_packing_available, plain_products_faster
 
 CPU = torch.device("cpu")
 
@@ -39,3 +39,33 @@ def test_linear_as_the_model_builds_it_matches_f_linear(dtype: torch.dtype, rows
     assert out.dtype == dtype and out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, weight, b), **TOLERANCES[dtype])
     assert torch.equal(Linear(weight, b, pack=False)(x), F.linear(x, weight, b))
+
+
+def test_plain_products_are_offered_for_float32_on_avx2_only() -> None:
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert plain_products_faster(torch.float32, CPU) == (avx2 and onednn_packing_available(torch.float32, CPU))
+    assert not plain_products_faster(torch.bfloat16, CPU)
+    assert not plain_products_faster(torch.float32, torch.device("meta"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_kept_plain_weight_takes_prefill_sized_products_and_the_packed_one_the_rest(
+    bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not onednn_packing_available(torch.float32, CPU):
+        pytest.skip("needs oneDNN's packed float32 linear")
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 48, generator=gen) / 7
+    b = torch.randn(96, generator=gen) if bias else None
+    linear = Linear(weight.clone(), b, pack=True, keep_plain=True)
+    assert linear.packed and torch.equal(linear.plain, weight)
+    assert linear.num_bytes() == Linear(weight.clone(), b, pack=True).num_bytes() + weight.numel() * 4
+    plain_rows = []
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *args: plain_rows.append(x.shape[0]) or real_linear(x, *args))
+    for rows in (1, PLAIN_MIN_ROWS - 1, PLAIN_MIN_ROWS, 2 * PLAIN_MIN_ROWS):
+        x = torch.randn(rows, 48, generator=gen)
+        out = linear(x)
+        torch.testing.assert_close(out, real_linear(x, weight, b), **TOLERANCES[torch.float32])
+    assert plain_rows == [PLAIN_MIN_ROWS, 2 * PLAIN_MIN_ROWS]
+    assert Linear(weight.clone(), b, pack=False, keep_plain=True).plain is None  # unpacked: the weight is plain
