@@ -107,10 +107,10 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         layers = [self.lm_head] + [lin for w in self.layers for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
         in_blocks = sum(lin.quantized is not None for lin in layers)
-        logger.info("linear layers: %s%s; %d of %d also as GGUF blocks for products of up to %d rows",
-                    "oneDNN, packed at load" if pack else "F.linear",
+        logger.info("linear layers: %s%s; %d of %d also as GGUF blocks for products of up to %d rows; the weights "
+                    "take %.0f MiB", "oneDNN, packed at load" if pack else "F.linear",
                     f", MKL on a plain copy from {PLAIN_MIN_ROWS} rows" if keep_plain else "", in_blocks, len(layers),
-                    QUANTIZED_MAX_ROWS)
+                    QUANTIZED_MAX_ROWS, self.weight_bytes() / 2**20)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take here, the packed copy of a tied LM head included."""
