@@ -52,20 +52,21 @@ def test_plain_products_are_offered_for_float32_on_avx2_only() -> None:
 def test_a_kept_plain_weight_takes_prefill_sized_products_and_the_packed_one_the_rest(
     bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not onednn_packing_available(torch.float32, CPU):
-        pytest.skip("needs oneDNN's packed float32 linear")
+    # where oneDNN cannot pack, the weight is plain already and every product is F.linear's
+    pack = onednn_packing_available(torch.float32, CPU)
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 48, generator=gen) / 7
     b = torch.randn(96, generator=gen) if bias else None
-    linear = Linear(weight.clone(), b, pack=True, keep_plain=True)
-    assert linear.packed and torch.equal(linear.plain, weight)
-    assert linear.num_bytes() == Linear(weight.clone(), b, pack=True).num_bytes() + weight.numel() * 4
+    linear = Linear(weight.clone(), b, pack=pack, keep_plain=True)
+    assert linear.packed == pack and (torch.equal(linear.plain, weight) if pack else linear.plain is None)
+    extra = weight.numel() * 4 if pack else 0
+    assert linear.num_bytes() == Linear(weight.clone(), b, pack=pack).num_bytes() + extra
     plain_rows = []
     real_linear = F.linear
     monkeypatch.setattr(F, "linear", lambda x, *args: plain_rows.append(x.shape[0]) or real_linear(x, *args))
-    for rows in (1, PLAIN_MIN_ROWS - 1, PLAIN_MIN_ROWS, 2 * PLAIN_MIN_ROWS):
+    all_rows = [1, PLAIN_MIN_ROWS - 1, PLAIN_MIN_ROWS, 2 * PLAIN_MIN_ROWS]
+    for rows in all_rows:
         x = torch.randn(rows, 48, generator=gen)
-        out = linear(x)
-        torch.testing.assert_close(out, real_linear(x, weight, b), **TOLERANCES[torch.float32])
-    assert plain_rows == [PLAIN_MIN_ROWS, 2 * PLAIN_MIN_ROWS]
+        torch.testing.assert_close(linear(x), real_linear(x, weight, b), **TOLERANCES[torch.float32])
+    assert plain_rows == ([PLAIN_MIN_ROWS, 2 * PLAIN_MIN_ROWS] if pack else all_rows)
     assert Linear(weight.clone(), b, pack=False, keep_plain=True).plain is None  # unpacked: the weight is plain
