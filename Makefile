@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side clean
+	bench-handoff bench-side-by-side bench-goodput clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ bench-handoff: install
 # server (docs/benchmarks.md says how to install each)
 bench-side-by-side: install
 	$(PY) -m bench.side_by_side $(ARGS)
+
+# goodput under latency targets; ARGS="--vllm ENV/bin/python" adds vLLM's CPU build
+bench-goodput: install
+	$(PY) -m bench.goodput $(ARGS)
 
 bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side
 

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         label = f"this stack ({args.prefill}P+{args.decode}D{threads})"
         documents[label] = _measure(label, stack.base_url, requests, warmups, load, args.workload)
     if args.vllm is not None:
-        label = f"vLLM CPU {_vllm_version(args.vllm)}"
-        with _vllm_server(args.vllm, args.model, args.vllm_kv_gib) as base_url:
+        label = f"vLLM CPU {vllm_version(args.vllm)}"
+        with vllm_server(args.vllm, args.model, args.vllm_kv_gib) as base_url:
             documents[label] = _measure(label, base_url, requests, warmups, load, args.workload)
     if args.llama_server is not None:
         with _llama_server(args.llama_server, resolve_model_path(args.model), requests) as base_url:
@@ -195,7 +195,7 @@ def vllm_environment(python: Path, kv_gib: float, cpus: set[int], base: dict[str
     return env
 
 
-def _vllm_version(python: Path) -> str:
+def vllm_version(python: Path) -> str:
     try:
         found = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
                                capture_output=True, text=True, timeout=300, check=True)
@@ -206,7 +206,7 @@ def _vllm_version(python: Path) -> str:
 
 
 @contextmanager
-def _vllm_server(python: Path, model: str, kv_gib: float) -> Iterator[str]:
+def vllm_server(python: Path, model: str, kv_gib: float) -> Iterator[str]:
     port = free_port()
     dtype = resolve_dtype("auto", torch.device("cpu"))
     command = vllm_command(python, hf_checkpoint(model), dtype, port)

@@ -1,0 +1,215 @@
+"""Goodput under latency targets (DistServe's measure): Poisson arrivals at a sweep of rates on a
+chat-like mix, against this stack disaggregated, this stack colocated and, with --vllm, vLLM's CPU
+build, one server after the other.
+
+    python -m bench.goodput [--rates 0.25,0.5,1,1.5,2] [--duration-s 60] [--vllm PYTHON]
+        [--ttft-scale 5 --itl-scale 5 | --ttft-ms MS --itl-ms MS] [--itl-measure p90|mean]
+
+The targets scale with what the machine can do: before the sweep, the first server (this stack,
+disaggregated) answers a few median-length prompts one at a time, and the targets are
+`--ttft-scale` times their median time to first token and `--itl-scale` times their median gap
+between tokens, the same absolute targets for every server. On a GPU give them in ms instead.
+Per rate it prints the share of requests meeting the TTFT target, the inter-token target (each
+request's p90 gap by default; bench/serving/attainment.py) and both; the goodput is the highest
+rate up to which at least --share (90%) meet both. Writes bench/results/<name>.json and a plot of
+attainment against rate, bench/results/<name>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from bench.serving.attainment import DEFAULT_SHARE, ITL_MEASURES, Attainment, LatencyTargets, attainment, goodput
+from bench.serving.runner import LoadSpec
+from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests
+from bench.side_by_side import vllm_server, vllm_version
+from bench.stack_harness import format_table, run_load, stack_config, vocab_ids, write_figure, write_result
+from services.launcher import Stack
+
+SERVERS = ("disaggregated", "colocated")
+CALIBRATION_OUTPUT_TOKENS = 32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--servers", default=",".join(SERVERS),
+                        help=f"this stack's modes to run, comma-separated, from {', '.join(SERVERS)}")
+    parser.add_argument("--vllm", type=Path, metavar="PYTHON", help="also vLLM's CPU build from this environment")
+    parser.add_argument("--vllm-kv-gib", type=float, default=4.0, help="--vllm: its KV cache (GiB)")
+    parser.add_argument("--rates", default="0.25,0.5,1,1.5,2", help="request rates to sweep (req/s), ascending")
+    parser.add_argument("--duration-s", type=float, default=60.0,
+                        help="arrivals at each rate span about this long (rate x duration requests)")
+    parser.add_argument("--min-requests", type=int, default=16, help="at least this many requests per rate")
+    parser.add_argument("--input-len", type=int, default=256, help="median prompt tokens (lognormal)")
+    parser.add_argument("--output-len", type=int, default=96, help="median output tokens (lognormal)")
+    parser.add_argument("--length-sigma", type=float, default=0.8, help="lognormal sigma of both lengths")
+    parser.add_argument("--ttft-scale", type=float, default=5.0, help="TTFT target over the unloaded TTFT")
+    parser.add_argument("--itl-scale", type=float, default=5.0, help="inter-token target over the unloaded step")
+    parser.add_argument("--ttft-ms", type=float, help="absolute TTFT target (with --itl-ms: no calibration)")
+    parser.add_argument("--itl-ms", type=float, help="absolute inter-token target")
+    parser.add_argument("--itl-measure", default="p90", choices=ITL_MEASURES,
+                        help="a request's inter-token latency: the p90 of its gaps, or their mean (TPOT)")
+    parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="share of requests that must meet both")
+    parser.add_argument("--stop-below", type=float, default=0.5,
+                        help="stop a server's sweep after a rate where fewer than this share met both")
+    parser.add_argument("--calibration-requests", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="goodput", help="results file name")
+    return parser
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(r <= 0 for r in rates) or rates != sorted(rates):
+        raise ValueError(f"--rates {text!r} must be positive request rates in ascending order")
+    return rates
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    servers = [s for s in args.servers.split(",") if s]
+    unknown = sorted(set(servers) - set(SERVERS))
+    if unknown:
+        parser.error(f"--servers: unknown {unknown}; choose from {', '.join(SERVERS)}")
+    if not servers and args.vllm is None:
+        parser.error("nothing to measure: give --servers or --vllm")
+    if (args.ttft_ms is None) != (args.itl_ms is None):
+        parser.error("--ttft-ms and --itl-ms go together (or neither, to calibrate)")
+    if not 0 < args.share <= 1:
+        parser.error(f"--share must be in (0, 1], got {args.share}")
+    try:
+        parse_rates(args.rates)
+    except ValueError as e:
+        parser.error(str(e))
+    return servers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    servers = check_args(args, parser)
+    vocab = vocab_ids(args.model)
+    starters: dict[str, Callable[[], AbstractContextManager[str]]] = {s: _stack_starter(s) for s in servers}
+    if args.vllm is not None:
+        starters[f"vLLM CPU {vllm_version(args.vllm)}"] = lambda: vllm_server(args.vllm, args.model, args.vllm_kv_gib)
+
+    targets = None if args.ttft_ms is None else LatencyTargets(args.ttft_ms, args.itl_ms, args.itl_measure)
+    calibration: dict[str, float] = {}
+    runs: dict[str, list[Attainment]] = {}
+    for label, start in starters.items():
+        with start() as base_url:
+            warm = warmup_requests(_workload(args, vocab, 1, args.seed), vocab, args.seed, 2)
+            run_load(base_url, warm, LoadSpec(max_concurrency=1, progress_interval_s=0))
+            if targets is None:
+                calibration = calibrate(base_url, args, vocab)
+                targets = LatencyTargets(args.ttft_scale * calibration["ttft_ms"],
+                                         args.itl_scale * calibration["itl_ms"], args.itl_measure)
+                print(f"unloaded on {label}: TTFT {calibration['ttft_ms']:.0f} ms, step {calibration['itl_ms']:.0f} "
+                      f"ms -> targets TTFT {targets.ttft_ms:.0f} ms, inter-token ({targets.itl_measure}) "
+                      f"{targets.itl_ms:.0f} ms", file=sys.stderr)
+            runs[label] = sweep(label, base_url, args, vocab, targets)
+    assert targets is not None
+
+    print(report_table(runs, targets, args.share))
+    document = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "calibration": calibration,
+        "targets": dataclasses.asdict(targets),
+        "runs": {label: [dataclasses.asdict(p) for p in points] for label, points in runs.items()},
+        "goodput": {label: goodput(points, args.share) for label, points in runs.items()},
+    }
+    print(f"results: {write_result(args.name, document)}, {write_figure(args.name, figure(runs, args.share))}",
+          file=sys.stderr)
+    return 0
+
+
+def _stack_starter(mode: str) -> Callable[[], AbstractContextManager[str]]:
+    @contextmanager
+    def start() -> Iterator[str]:
+        config = stack_config({}) if mode == "disaggregated" else dataclasses.replace(
+            stack_config({}, num_prefill=0, num_decode=0), num_colocated=1)
+        with Stack(config) as stack:
+            assert stack.base_url is not None
+            yield stack.base_url
+
+    return start
+
+
+def _workload(args: argparse.Namespace, vocab: Any, num_prompts: int, seed: int) -> list[BenchRequest]:
+    spec = WorkloadSpec("chat-mix", num_prompts, input_len=args.input_len, output_len=args.output_len,
+                        length_sigma=args.length_sigma)
+    return build_workload(spec, vocab, seed)
+
+
+def calibrate(base_url: str, args: argparse.Namespace, vocab: Any) -> dict[str, float]:
+    """Median TTFT of median-length prompts sent one at a time, and their median gap between tokens."""
+    spec = WorkloadSpec("random", args.calibration_requests, input_len=args.input_len,
+                        output_len=CALIBRATION_OUTPUT_TOKENS)
+    _, results = run_load(base_url, build_workload(spec, vocab, args.seed + 1),
+                          LoadSpec(max_concurrency=1, progress_interval_s=0))
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"calibration requests failed: {failed}")
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    gaps = [gap for r in results for gap in r.itl_s]
+    return {"ttft_ms": 1000 * statistics.median(ttfts), "itl_ms": 1000 * statistics.median(gaps)}
+
+
+def sweep(label: str, base_url: str, args: argparse.Namespace, vocab: Any, targets: LatencyTargets) -> list[Attainment]:
+    points = []
+    for i, rate in enumerate(parse_rates(args.rates)):
+        num = max(args.min_requests, round(rate * args.duration_s))
+        requests = _workload(args, vocab, num, args.seed + 100 + i)
+        print(f"{label}: {num} requests at {rate:g} req/s", file=sys.stderr)
+        _, results = run_load(base_url, requests, LoadSpec(request_rate=rate, seed=args.seed + i))
+        point = attainment(rate, results, targets)
+        points.append(point)
+        print(f"{label} at {rate:g} req/s: TTFT {point.ttft:.0%}, inter-token {point.itl:.0%}, both {point.both:.0%}",
+              file=sys.stderr)
+        if point.both < args.stop_below:
+            break
+    return points
+
+
+def report_table(runs: dict[str, list[Attainment]], targets: LatencyTargets, share: float) -> str:
+    rates = sorted({p.request_rate for points in runs.values() for p in points})
+
+    def cell(points: list[Attainment], rate: float) -> str:
+        point = next((p for p in points if p.request_rate == rate), None)
+        return "-" if point is None else f"{point.both:.0%} ({point.ttft:.0%} / {point.itl:.0%})"
+
+    rows = [[f"{rate:g}", *(cell(points, rate) for points in runs.values())] for rate in rates]
+    rows.append([f"**goodput** (>= {share:.0%} meet both)",
+                 *(_rate_text(goodput(points, share)) for points in runs.values())])
+    title = (f"targets: TTFT {targets.ttft_ms:.0f} ms, inter-token ({targets.itl_measure} of each request's gaps) "
+             f"{targets.itl_ms:.0f} ms; cells: both (TTFT / inter-token)")
+    return title + "\n\n" + format_table(["req/s", *runs], rows)
+
+
+def _rate_text(rate: float | None) -> str:
+    return "below the lowest rate" if rate is None else f"{rate:g} req/s"
+
+
+def figure(runs: dict[str, list[Attainment]], share: float) -> Figure:
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.subplots()
+    for label, points in runs.items():
+        ax.plot([p.request_rate for p in points], [100 * p.both for p in points], marker="o", label=label)
+    ax.axhline(100 * share, color="grey", linestyle="--", linewidth=1)
+    ax.set(title="Requests meeting both latency targets", xlabel="request rate (req/s)",
+           ylabel="attainment (%)", ylim=(0, 105))
+    ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())

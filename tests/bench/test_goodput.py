@@ -1,0 +1,92 @@
+"""Attainment and goodput as DistServe defines them, on hand-made request records, and one small
+real sweep of bench.goodput against a real stack."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import goodput as goodput_bench
+from bench import stack_harness
+from bench.serving.attainment import Attainment, LatencyTargets, attainment, goodput
+from bench.serving.client import RequestResult
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def result(chunk_times_s: list[float], error: str | None = None) -> RequestResult:
+    return RequestResult(start_s=0.0, num_prompt_tokens=8, num_output_tokens=len(chunk_times_s),
+                         chunk_times_s=chunk_times_s, error=error)
+
+
+def point(rate: float, both: float) -> Attainment:
+    return Attainment(rate, 10, 0, both, both, both)
+
+
+def test_a_request_meets_the_inter_token_target_by_the_p90_of_its_own_gaps() -> None:
+    # 19 gaps of 100 ms and one stall of 2 s: the p90 is 100 ms, the mean 195 ms
+    stalls_once_in_twenty = result([0.5 + 0.1 * i for i in range(20)] + [0.5 + 1.9 + 2.0])
+    p90, mean = LatencyTargets(1000, 200, "p90"), LatencyTargets(1000, 150, "mean")
+    assert p90.request_itl_ms(stalls_once_in_twenty) == pytest.approx(100)
+    assert p90.meets_itl(stalls_once_in_twenty)
+    assert mean.request_itl_ms(stalls_once_in_twenty) == pytest.approx(1000 * (1.9 + 2.0) / 20)
+    assert not mean.meets_itl(stalls_once_in_twenty)
+
+
+def test_failed_requests_meet_nothing_and_one_chunk_answers_have_no_gap_to_miss() -> None:
+    targets = LatencyTargets(ttft_ms=300, itl_ms=50)
+    assert targets.meets_itl(result([0.2])) and targets.meets_ttft(result([0.2]))
+    assert not targets.meets_ttft(result([0.4, 0.41]))
+    failed = result([0.1, 0.11], error="HTTP 500: boom")
+    assert not targets.meets_ttft(failed) and not targets.meets_itl(failed)
+
+
+def test_attainment_counts_each_target_and_both() -> None:
+    targets = LatencyTargets(ttft_ms=300, itl_ms=50)
+    results = [result([0.1, 0.12]), result([0.5, 0.52]), result([0.1, 0.3]), result([0.1], error="timed out")]
+    got = attainment(2.0, results, targets)
+    assert got == Attainment(request_rate=2.0, num_requests=4, num_failed=1, ttft=0.5, itl=0.5, both=0.25)
+    with pytest.raises(ValueError, match="at least one request"):
+        attainment(1.0, [], targets)
+
+
+def test_goodput_is_the_highest_rate_before_the_first_miss() -> None:
+    assert goodput([point(0.5, 1.0), point(1.0, 0.95), point(2.0, 0.6), point(3.0, 0.92)]) == 1.0
+    assert goodput([point(1.0, 0.9), point(0.5, 1.0)]) == 1.0  # order of the sweep does not matter
+    assert goodput([point(0.5, 0.89)]) is None
+    assert goodput([point(0.5, 0.8)], share=0.75) == 0.5
+
+
+def test_targets_and_rates_are_checked() -> None:
+    with pytest.raises(ValueError, match="must be > 0 ms"):
+        LatencyTargets(0, 10)
+    with pytest.raises(ValueError, match="ascending"):
+        goodput_bench.parse_rates("2,1")
+    with pytest.raises(SystemExit):
+        goodput_bench.main(["--ttft-ms", "100"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_small_sweep_calibrates_targets_and_reports_goodput(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path)
+    argv = ["--servers", "disaggregated", "--rates", "2,4", "--min-requests", "2", "--duration-s", "1",
+            "--input-len", "16", "--output-len", "4", "--calibration-requests", "1", "--stop-below", "0"]
+    assert goodput_bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    document = json.loads((tmp_path / "goodput.json").read_text())
+    assert (tmp_path / "goodput.png").read_bytes().startswith(PNG_MAGIC)
+
+    assert "| req/s | disaggregated |" in printed and "**goodput**" in printed
+    calibration, targets = document["calibration"], document["targets"]
+    assert targets["ttft_ms"] == pytest.approx(5 * calibration["ttft_ms"])
+    assert targets["itl_ms"] == pytest.approx(5 * calibration["itl_ms"])
+    points = document["runs"]["disaggregated"]
+    assert [p["request_rate"] for p in points] == [2.0, 4.0]
+    assert [p["num_requests"] for p in points] == [2, 4] and all(p["num_failed"] == 0 for p in points)
+    expected = goodput([Attainment(**p) for p in points])
+    assert document["goodput"]["disaggregated"] == expected
