@@ -55,7 +55,7 @@ bench-side-by-side: install
 bench-goodput: install
 	$(PY) -m bench.goodput $(ARGS)
 
-bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side
+bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
