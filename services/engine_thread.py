@@ -43,6 +43,7 @@ class EngineThread:
         self._fixed_threads: int | None = None
         self.stats: EngineStats | None = None
         self.num_steps = 0  # steps that computed something
+        self.busy_s = 0.0  # seconds those steps took: what the pool planner reads as this worker's load
         self._clock = clock
         self._busy_since: float | None = None
         self._stepped_at = clock()
@@ -143,8 +144,11 @@ class EngineThread:
     def _step(self, then: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         if self._lease is not None:
             self._lease.before_step()
+        started, num_steps = self._clock(), self.engine.num_steps
         outputs = self.engine.step()
         self._stepped_at = self._clock()
+        if self.engine.num_steps != num_steps:
+            self.busy_s += self._stepped_at - started
         if then is not None and outputs:
             then(outputs)
         return outputs

@@ -19,6 +19,9 @@ Scaling at run time: the CLI reads commands on stdin, one per line:
     -prefill, -decode, -colocated   SIGTERM the newest worker of that role: it drains (takes no new
                                     work, finishes what it holds) and deregisters; refused for the
                                     last one
+
+With --planner the pool planner (services/pool_planner) issues these commands itself, sizing the
+prefill and decode pools to their latency targets within --planner-max-workers workers.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from typing import Self
 import redis
 from pydantic import TypeAdapter
 
-from shared.settings import RedisSettings, WorkerSettings
+from services.pool_planner.loop import PlannerThread
+from shared.settings import PlannerServiceSettings, RedisSettings, WorkerSettings
 from shared.streams import Keys
 
 logger = logging.getLogger("launcher")
@@ -370,11 +374,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--no-gateway", action="store_true", help="start Redis and the workers only")
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds to drain on stop before SIGKILL")
+    parser.add_argument("--planner", action="store_true",
+                        help="size the prefill and decode pools to their latency targets (LLMD_PLANNER__*; "
+                             "services/pool_planner): start and drain workers as their load says")
+    parser.add_argument("--planner-max-workers", type=int, default=4,
+                        help="--planner: most prefill and decode workers together")
     args = parser.parse_args(argv)
     if min(args.prefill, args.decode, args.colocated) < 0:
         parser.error("--prefill, --decode and --colocated must be at least 0")
     if (args.prefill < 1 or args.decode < 1) and not (args.prefill == args.decode == 0 and args.colocated > 0):
         parser.error("--prefill and --decode must both be at least 1, or both 0 with --colocated at least 1")
+    if args.planner and (args.colocated or args.planner_max_workers < args.prefill + args.decode):
+        parser.error("--planner sizes the prefill and decode pools: not with --colocated, and --planner-max-workers "
+                     f"({args.planner_max_workers}) must be at least --prefill + --decode ({args.prefill + args.decode})")
     return args
 
 
@@ -395,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    planner: PlannerThread | None = None
     try:
         base_url = stack.start()
         where = base_url or f"workers only, Redis at {stack.redis_url} namespace {stack.namespace}"
@@ -402,11 +415,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{where}  (Ctrl-C to stop; +ROLE/-ROLE on stdin to scale)", flush=True)
         commands: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_read_commands, args=(commands,), daemon=True, name="stdin").start()
+        if args.planner:
+            assert stack.redis_url is not None
+            planner = PlannerThread(stack.redis_url, stack.namespace, PlannerServiceSettings().planner,
+                                    args.planner_max_workers, commands.put)
+            planner.start()
         return _watch(stack, stop, commands)
     except StackError as e:
         logger.error("%s", e)
         return 1
     finally:
+        if planner is not None:
+            planner.stop()
         stack.stop()
 
 

@@ -124,6 +124,7 @@ class Worker:
         self.engine = EngineThread()
         self.metrics = WorkerMetrics(model_name(settings), self.worker_id)
         self.draining = False
+        self.num_prefilled = 0  # requests whose first token this worker computed, for the pool planner
         self.failed = False  # a loop crashed: the process exits 1 so that a supervisor restarts it
         self.health_port: int | None = None
         self.stopping = asyncio.Event()  # first SIGTERM/SIGINT: drain
@@ -353,6 +354,9 @@ class Worker:
             timestamp=time.time(),
             draining=self.draining,
             health_port=self.health_port,
+            busy_s=self.engine.busy_s,
+            num_steps=self.engine.num_steps,
+            num_prefilled=self.num_prefilled,
         )
 
     def beat_now(self) -> None:

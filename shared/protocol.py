@@ -197,7 +197,8 @@ class Cancel(Message):
 
 @dataclass(slots=True)
 class WorkerStatus(Message):
-    """A worker's heartbeat: liveness plus the load figures used to pick a decode worker."""
+    """A worker's heartbeat: liveness plus the load figures used to pick a decode worker and to
+    plan the pools (`busy_s`, `num_steps` and `num_prefilled` count up from the worker's start)."""
 
     TYPE: ClassVar[str] = "worker_status"
     worker_id: str
@@ -210,3 +211,6 @@ class WorkerStatus(Message):
     timestamp: float
     draining: bool = False
     health_port: int | None = None  # of /health and /metrics, so tools find workers started with port 0
+    busy_s: float = 0.0  # seconds spent in engine steps that computed something
+    num_steps: int = 0
+    num_prefilled: int = 0  # requests whose first token this worker computed

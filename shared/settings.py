@@ -161,6 +161,30 @@ class GatewaySettings(BaseModel):
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
 
 
+class PlannerSettings(BaseModel):
+    """Targets and damping of the pool planner (services/pool_planner): it sizes the prefill pool to
+    the TTFT target and the decode pool to the inter-token target."""
+
+    ttft_target_ms: float = Field(5000.0, gt=0, description="time to first token the prefill pool is sized for "
+                                  "(default: about 5x an unloaded 256-token prompt on a 2-core CPU)")
+    itl_target_ms: float = Field(500.0, gt=0, description="decode step time the decode pool is sized for")
+    target_load: float = Field(0.8, gt=0, le=1, description="a pool whose load (share of its targets used) "
+                               "stays above this gets a worker")
+    low_load: float = Field(0.4, gt=0, lt=1, description="a pool gives a worker back when its load would stay "
+                            "below this without it")
+    window_s: float = Field(10.0, gt=0, description="the heartbeats over which load is measured")
+    scale_up_after_s: float = Field(10.0, ge=0, description="load above target_load this long adds a worker")
+    scale_down_after_s: float = Field(60.0, ge=0, description="load below low_load this long drains a worker")
+    hold_s: float = Field(30.0, ge=0, description="no second change of a pool within this long of the last")
+    interval_s: float = Field(2.0, gt=0, description="how often the planner looks")
+
+    @model_validator(mode="after")
+    def _low_below_target(self) -> PlannerSettings:
+        if self.low_load >= self.target_load:
+            raise ValueError(f"low_load ({self.low_load}) must be below target_load ({self.target_load})")
+        return self
+
+
 class WorkerServiceSettings(EngineServiceSettings):
     """Settings of a prefill or decode worker process."""
 
@@ -170,3 +194,10 @@ class WorkerServiceSettings(EngineServiceSettings):
 class GatewayServiceSettings(_Base):
     gateway: GatewaySettings = GatewaySettings()
     model: ModelSettings = ModelSettings()
+    planner: PlannerSettings = PlannerSettings()
+
+
+class PlannerServiceSettings(_Base):
+    """What the launcher's --planner reads."""
+
+    planner: PlannerSettings = PlannerSettings()

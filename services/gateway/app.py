@@ -17,6 +17,7 @@ from services.gateway.context import GATEWAY, SETTINGS, build_gateway
 from services.gateway.middlewares import api_key_auth, openai_errors
 from services.gateway.model_info import load_model_info
 from services.gateway.routes import add_routes
+from services.pool_planner.loop import watch_pools
 from shared.settings import GatewayServiceSettings
 from shared.text.tokenizer import Tokenizer
 
@@ -49,12 +50,18 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         gw.reader = asyncio.create_task(gw.router.run(), name="replies-reader")
         gw.reader.add_done_callback(_log_reader_exit)
         watcher = asyncio.create_task(gw.dispatcher.watch(), name="migration-watch")
+        stop_pool_watch = asyncio.Event()
+        planner = settings.planner
+        pool_watch = asyncio.create_task(watch_pools(
+            gw.bus, planner, stop_pool_watch, lambda pools: gw.metrics.observe_pools(pools, planner.target_load)
+        ), name="pool-watch")
         _log_start(settings, gw.gateway_id, model.name, model.max_model_len)
         yield
         gw.router.stop()
         gw.dispatcher.stop()
+        stop_pool_watch.set()
         gw.reader.cancel()
-        await asyncio.gather(gw.reader, watcher, return_exceptions=True)
+        await asyncio.gather(gw.reader, watcher, pool_watch, return_exceptions=True)
         await gw.wait_spawned()  # cancels on their way to the workers
         await gw.bus.close()
         logger.info("gateway %s stopped", gw.gateway_id)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from services.pool_planner.policy import PoolLoad
 from shared.metrics import LATENCY_BUCKETS
 
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
@@ -56,12 +57,27 @@ class GatewayMetrics:
             ["model_name", "worker_id"], registry=self.registry,
         )
         self._model_name = model_name
+        self.planner_load = Gauge(
+            "llmd_planner_load", "Each pool's load against its latency targets (services/pool_planner): 1 means "
+            "its requests just meet them.", ["model_name", "role"], registry=self.registry,
+        )
+        self.planner_recommended_workers = Gauge(
+            "llmd_planner_recommended_workers", "Workers each pool needs to bring its load to the planner's "
+            "target_load: the replica count for an autoscaler.", ["model_name", "role"], registry=self.registry,
+        )
         queue = Gauge("llmd_queue_depth", "Requests in flight on the workers (admitted, not finished).",
                       ["model_name"], registry=self.registry)
         queue.labels(**labels).set_function(queue_depth)
 
     def cancelled(self, reason: str) -> None:
         self.cancellations.labels(model_name=self._model_name, reason=reason).inc()
+
+    def observe_pools(self, pools: list[PoolLoad], target_load: float) -> None:
+        for pool in pools:
+            labels = {"model_name": self._model_name, "role": pool.role}
+            if pool.load is not None:
+                self.planner_load.labels(**labels).set(pool.load)
+            self.planner_recommended_workers.labels(**labels).set(pool.recommended(target_load))
 
     def tokens_from(self, worker_id: str, num_tokens: int) -> None:
         self.worker_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_tokens)

@@ -221,6 +221,7 @@ class PrefillWorker(Worker):
     def _observe_prefill(self, t: Tracked, out: RequestOutput, now: float) -> None:
         """Record that `t` got its first token (`out`) at unix time `now`."""
         t.prefilled_at = time.monotonic()
+        self.num_prefilled += 1
         self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         self.metrics.time_to_first_token.observe(max(0.0, now - t.arrived_at))
         self._tally.num_prefilled += 1

@@ -199,6 +199,21 @@ async def test_32_concurrent_requests_complete_on_every_worker(stack: Stack, mod
     assert all(served.get(worker_id, 0) > 0 for worker_id in WORKERS), served
 
 
+def test_the_gateway_exports_each_pools_load_and_recommended_workers(stack: Stack) -> None:
+    """For an autoscaler (services/pool_planner): a pool's load shows once half a window (5 s by
+    default) of its heartbeats is in; the recommendation is there from the first look."""
+    series = r'^llmd_planner_(load|recommended_workers)\{[^}]*role="(\w+)"[^}]*\} (\S+)$'
+    deadline = time.monotonic() + 60
+    while True:
+        found = {(name, role): float(v) for name, role, v in re.findall(series, metrics_text(stack), re.MULTILINE)}
+        if len(found) == 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert set(found) == {(name, role) for name in ("load", "recommended_workers") for role in ("prefill", "decode")}
+    assert all(found[("load", role)] >= 0 for role in ("prefill", "decode"))
+    assert all(found[("recommended_workers", role)] >= 1 for role in ("prefill", "decode"))
+
+
 def worker_tokens(stack: Stack) -> dict[str, float]:
     """Output tokens the gateway received from each worker (its llmd_worker_tokens_total series)."""
     pattern = r'^llmd_worker_tokens_total\{[^}]*worker_id="([^"]+)"\} (\S+)$'
