@@ -72,8 +72,9 @@ def build_gateway(settings: GatewayServiceSettings, model: ModelInfo, tokenizer:
     bus = Bus(settings.redis)
     router = ReplyRouter(bus, gateway_id)
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_prompt_tokens)
+    metrics = GatewayMetrics(model.name, lambda: admission.num_requests)
     return Gateway(
         settings=cfg, gateway_id=gateway_id, model=model, tokenizer=tokenizer, bus=bus, router=router,
-        dispatcher=Dispatcher(bus, router, gateway_id), admission=admission,
-        metrics=GatewayMetrics(model.name, lambda: admission.num_requests),
+        dispatcher=Dispatcher(bus, router, gateway_id, on_migrated=metrics.migrations.inc), admission=admission,
+        metrics=metrics,
     )  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from services.gateway.inflight import InflightRequest
 from services.gateway.openai_schema import ApiError
@@ -29,12 +30,12 @@ WATCH_INTERVAL_S = 0.5
 
 
 class Dispatcher:
-    def __init__(self, bus: Bus, router: ReplyRouter, gateway_id: str) -> None:
+    def __init__(self, bus: Bus, router: ReplyRouter, gateway_id: str, on_migrated: Callable[[], None]) -> None:
         self._bus = bus
         self._router = router
         self.gateway_id = gateway_id
         self._inflight: dict[str, InflightRequest] = {}
-        self.num_migrated = 0
+        self._on_migrated = on_migrated  # counts each request re-queued off a dead worker
         self._stopping = asyncio.Event()
 
     async def submit(self, reqs: list[InflightRequest]) -> None:
@@ -106,7 +107,7 @@ class Dispatcher:
                 req.attempt, req.worker_id = req.attempt - 1, dead_id  # nothing queued: try again next round
                 raise
             moved.append(req)
-            self.num_migrated += 1
+            self._on_migrated()
         return moved
 
     async def _dead_decode_workers(self) -> set[str]:

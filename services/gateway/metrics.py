@@ -52,6 +52,9 @@ class GatewayMetrics:
             ["model_name", "reason"], registry=self.registry,
         )
         self.requests_rejected = counter("llmd_requests_rejected", "API requests answered 429 (gateway at capacity).")
+        self.migrations = counter(
+            "llmd_migrations", "Requests re-queued off a dead decode worker, continuing after the tokens streamed."
+        )
         self.worker_tokens = Counter(
             "llmd_worker_tokens", "Output tokens received, by the worker that produced them.",
             ["model_name", "worker_id"], registry=self.registry,

@@ -1,7 +1,7 @@
 """y = x W^T + b, with W packed once for oneDNN where that is faster than plain F.linear.
 
 On the CPU in float32, F.linear calls MKL, which on the 2-core AMD EPYC of
-docs/benchmarks.md runs the LM head (49152 x 576) 2.3x slower at batch 64, and the MLP's
+docs/benchmarks-history.md runs the LM head (49152 x 576) 2.3x slower at batch 64, and the MLP's
 gate/up projection 2x slower at batch 16, than oneDNN with the weight reordered once into
 its blocked layout; no shape measured was slower by more than a few microseconds. So the
 weights are packed at load and every call goes through oneDNN's linear. In bfloat16 on a CPU
@@ -21,7 +21,7 @@ by arithmetic, and oneDNN's is better than widening blocks on the fly).
 
 At prefill sizes on an AVX2 CPU, float32, the layers' products of at least PLAIN_MIN_ROWS rows
 go back to F.linear (MKL) on a plain copy of the weight: on the 2-core EPYC of machine J
-(docs/benchmarks.md) MKL took 9-13% less time than oneDNN for the model's 210 layer products at
+(docs/benchmarks-history.md) MKL took 9-13% less time than oneDNN for the model's 210 layer products at
 96-2,048 rows on one core, and 7-11% less at 512-1,024 rows on two, which made the guide's burst
 about 10% faster end to end (the prefill worker's core sets its pace). Below 256 rows on two
 threads oneDNN was as fast or faster (26% at 64 rows), so decode batches stay with it. The plain

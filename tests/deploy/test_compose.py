@@ -1,4 +1,4 @@
-"""docker-compose.yml and its GPU override, as Docker Compose v2 itself resolves them."""
+"""docker-compose.yml, its GPU override and its monitoring profile, as Docker Compose v2 itself resolves them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from tests.deploy.dashboard import DASHBOARD, expressions, panels, selectors
 from tests.deploy.tools import REPO_ROOT, compose_config, run
 
 CPU_FILES = ["docker-compose.yml"]
@@ -146,3 +148,82 @@ def test_compose_snippets_in_the_docs_resolve(compose_bin: str, tmp_path: Path, 
     args = [arg for name in [*GPU_FILES, "snippet.yml"] for arg in ("-f", name)]
     result = run([compose_bin, *args, "config", "-q"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+
+
+# ---- the monitoring profile: Prometheus and Grafana ----------------------------------------------
+
+MONITORING = REPO_ROOT / "deploy" / "monitoring"
+SCRAPED_PORTS = {"gateway": ("LLMD_GATEWAY__PORT", 8000), "prefill": ("LLMD_WORKER__HEALTH_PORT", 9100),
+                 "decode": ("LLMD_WORKER__HEALTH_PORT", 9100)}
+
+
+@pytest.fixture(scope="module")
+def monitoring(compose_bin: str) -> dict[str, Any]:
+    return compose_config(compose_bin, CPU_FILES, profiles=("monitoring",))
+
+
+@pytest.fixture(scope="module")
+def scrape_jobs() -> dict[str, dict[str, Any]]:
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    return {job["job_name"]: job for job in config["scrape_configs"]}
+
+
+def test_the_monitoring_profile_adds_prometheus_and_grafana_only(monitoring: dict[str, Any]) -> None:
+    assert sorted(monitoring["services"]) == ["decode", "gateway", "grafana", "prefill", "prometheus", "redis"]
+    assert monitoring["services"]["prometheus"]["profiles"] == ["monitoring"]
+    assert monitoring["services"]["grafana"]["profiles"] == ["monitoring"]
+
+
+@pytest.mark.parametrize(("service", "pattern"), [("prometheus", r"prom/prometheus:v\d+\.\d+\.\d+"),
+                                                  ("grafana", r"grafana/grafana:\d+\.\d+\.\d+")])
+def test_monitoring_images_are_pinned_to_a_release(monitoring: dict[str, Any], service: str, pattern: str) -> None:
+    assert re.fullmatch(pattern, monitoring["services"][service]["image"])
+
+
+@pytest.mark.parametrize("service", ["prometheus", "grafana"])
+def test_monitoring_mounts_files_of_the_repository_read_only(monitoring: dict[str, Any], service: str) -> None:
+    mounts = monitoring["services"][service]["volumes"]
+    assert mounts
+    for mount in mounts:
+        source = Path(mount["source"])
+        assert mount["type"] == "bind" and mount["read_only"] is True
+        assert source.is_relative_to(MONITORING) and source.exists(), source
+
+
+def test_prometheus_scrapes_every_replica_of_each_service_on_its_metrics_port(
+    cpu: dict[str, Any], scrape_jobs: dict[str, dict[str, Any]]
+) -> None:
+    # DNS discovery on the service name: Compose answers it with one address per replica.
+    assert sorted(scrape_jobs) == sorted(SCRAPED_PORTS)
+    for name, (port_var, port) in SCRAPED_PORTS.items():
+        (discovery,) = scrape_jobs[name]["dns_sd_configs"]
+        assert discovery["names"] == [name] and discovery["type"] == "A"
+        assert discovery["port"] == port == int(cpu["services"][name]["environment"][port_var])
+        assert scrape_jobs[name].get("metrics_path", "/metrics") == "/metrics"
+
+
+def test_the_image_listens_on_all_interfaces_for_the_scrapes() -> None:
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert "LLMD_GATEWAY__HOST=0.0.0.0" in dockerfile
+    assert "LLMD_WORKER__HEALTH_HOST=0.0.0.0" in dockerfile
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(monitoring: dict[str, Any]) -> None:
+    provisioning = MONITORING / "grafana" / "provisioning"
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert datasource["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "llmd.yml").read_text())["providers"]
+    targets = {Path(m["source"]): m["target"] for m in monitoring["services"]["grafana"]["volumes"]}
+    assert targets[provisioning] == "/etc/grafana/provisioning"
+    assert targets[DASHBOARD.parent] == provider["options"]["path"]
+    uids = {target["datasource"]["uid"] for panel in panels() for target in panel.get("targets", [])}
+    assert uids == {datasource["uid"]}
+
+
+def test_every_dashboard_query_names_the_scrape_jobs_it_reads(scrape_jobs: dict[str, dict[str, Any]]) -> None:
+    # The job label is the pool: a query without one would mix the gateway's and the workers' series
+    # of one name (both export vllm:time_to_first_token_seconds, from different starting points).
+    found = [selector for expr in expressions() for selector in selectors(expr)]
+    assert found
+    for selector in found:
+        assert selector.jobs and selector.jobs <= set(scrape_jobs), selector

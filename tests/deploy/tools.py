@@ -42,8 +42,8 @@ def load_yaml_docs(text: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def compose_config(compose_bin: str, files: list[str]) -> dict[str, Any]:
-    args = [arg for name in files for arg in ("-f", name)]
+def compose_config(compose_bin: str, files: list[str], profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    args = [arg for name in files for arg in ("-f", name)] + [arg for name in profiles for arg in ("--profile", name)]
     result = run([compose_bin, *args, "config", "--format", "json"])
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)

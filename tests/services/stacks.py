@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,3 +65,21 @@ def live_workers(rds: redis.Redis, keys: Keys, role: str) -> list[WorkerStatus]:
     """The registered workers of `role` whose heartbeat is current."""
     statuses = [decode(v) for v in rds.hgetall(keys.workers(role)).values()]
     return [s for s in statuses if isinstance(s, WorkerStatus) and rds.exists(keys.alive(s.worker_id))]
+
+
+def scrape(base_url: str) -> str:
+    """The Prometheus exposition of a gateway (at its base URL) or a worker (at its health server)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
+def metric_value(stack: Stack, name: str, label: str) -> float:
+    """The gateway's one sample of `name` whose labels include `label` (e.g. 'reason="deadline"')."""
+    (value,) = re.findall(rf"^{name}{{[^}}]*{label}[^}}]*}} (\S+)$", scrape(stack.base_url), re.MULTILINE)
+    return float(value)
+
+
+def worker_tokens(stack: Stack) -> dict[str, float]:
+    """Output tokens the gateway received from each worker (its llmd_worker_tokens_total series)."""
+    pattern = r'^llmd_worker_tokens_total\{[^}]*worker_id="([^"]+)"\} (\S+)$'
+    return {worker_id: float(value) for worker_id, value in re.findall(pattern, scrape(stack.base_url), re.MULTILINE)}

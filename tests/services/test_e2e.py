@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -27,7 +25,8 @@ from shared.settings import (
     RedisSettings,
 )
 from shared.streams import Bus
-from tests.services.stacks import running_stack
+from tests.deploy.dashboard import missing_series
+from tests.services.stacks import metric_value, running_stack, scrape, worker_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -205,29 +204,13 @@ def test_the_gateway_exports_each_pools_load_and_recommended_workers(stack: Stac
     series = r'^llmd_planner_(load|recommended_workers)\{[^}]*role="(\w+)"[^}]*\} (\S+)$'
     deadline = time.monotonic() + 60
     while True:
-        found = {(name, role): float(v) for name, role, v in re.findall(series, metrics_text(stack), re.MULTILINE)}
+        found = {(name, role): float(v) for name, role, v in re.findall(series, scrape(stack.base_url), re.MULTILINE)}
         if len(found) == 4 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert set(found) == {(name, role) for name in ("load", "recommended_workers") for role in ("prefill", "decode")}
     assert all(found[("load", role)] >= 0 for role in ("prefill", "decode"))
     assert all(found[("recommended_workers", role)] >= 1 for role in ("prefill", "decode"))
-
-
-def worker_tokens(stack: Stack) -> dict[str, float]:
-    """Output tokens the gateway received from each worker (its llmd_worker_tokens_total series)."""
-    pattern = r'^llmd_worker_tokens_total\{[^}]*worker_id="([^"]+)"\} (\S+)$'
-    return {worker_id: float(value) for worker_id, value in re.findall(pattern, metrics_text(stack), re.MULTILINE)}
-
-
-def metric_value(stack: Stack, name: str, label: str) -> float:
-    (value,) = re.findall(rf"^{name}{{[^}}]*{label}[^}}]*}} (\S+)$", metrics_text(stack), re.MULTILINE)
-    return float(value)
-
-
-def metrics_text(stack: Stack) -> str:
-    with urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=30) as response:
-        return response.read().decode()
 
 
 def test_a_shared_prefix_is_reported_as_cached_prompt_tokens(client: OpenAI, model: str) -> None:
@@ -261,17 +244,39 @@ def test_a_client_that_disconnects_frees_its_sequence_on_the_decode_worker(
 def until_decode_load(stack: Stack, condition: Callable[[int], bool], what: str, timeout_s: float = 30.0) -> None:
     """Waits until the decode workers' heartbeats report a total of running sequences that meets `condition`."""
     deadline = time.monotonic() + timeout_s
-    while not condition(sum(s.num_running for s in decode_statuses(stack))):
+    while not condition(sum(s.num_running for s in worker_statuses(stack, "decode"))):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
 
-def decode_statuses(stack: Stack) -> list[WorkerStatus]:
+def worker_statuses(stack: Stack, role: str) -> list[WorkerStatus]:
     async def read() -> list[WorkerStatus]:
         bus = Bus(RedisSettings(url=REDIS_URL, namespace=stack.namespace))
         try:
-            return await bus.live_workers("decode")
+            return await bus.live_workers(role)
         finally:
             await bus.close()
 
     return asyncio.run(read())
+
+
+# ---- what operators see --------------------------------------------------------------------------
+
+
+def test_every_series_the_grafana_dashboard_queries_is_exported(client: OpenAI, model: str, stack: Stack) -> None:
+    # A streamed request times tokens at the gateway and a handoff on a prefill worker; the stop
+    # strings end the second at its first token while decode still runs it, so the gateway cancels
+    # it there (llmd_cancellations_total has no series before a first cancellation).
+    list(client.completions.create(model=model, prompt="Hello there", max_tokens=4, stream=True))
+    stopped = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=16, stop=[" ", "\n", "e", "a"],
+        extra_body={"ignore_eos": True},
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    workers = {role: worker_statuses(stack, role) for role in ("prefill", "decode")}
+    assert {role: len(statuses) for role, statuses in workers.items()} == {"prefill": 2, "decode": 2}
+    expositions = {
+        "gateway": [scrape(stack.base_url)],
+        **{role: [scrape(f"http://127.0.0.1:{s.health_port}") for s in statuses] for role, statuses in workers.items()},
+    }
+    assert missing_series(expositions) == []

@@ -15,7 +15,7 @@ from openai import OpenAI
 from services.launcher import Stack
 from shared.protocol import WorkerStatus
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
-from tests.services.stacks import FAST_HEARTBEAT, live_workers, request_holders, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, live_workers, metric_value, request_holders, running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -96,6 +96,7 @@ def test_a_decode_worker_killed_mid_generation_has_its_request_migrated_seamless
     assert len(victims) == 1
     assert text == expected  # no token lost, none doubled, and the seed holds across the take-over
     assert [s.worker_id for s in live_decode(rds, keys)] != victims
+    assert metric_value(stack, "llmd_migrations_total", "model_name") == 1
     assert_clean(rds, keys)
     stack.add_worker("decode")  # back to two for the next test
 

@@ -3,9 +3,7 @@ with SIGTERM drains, and every request completes; the launcher's stdin commands 
 
 from __future__ import annotations
 
-import re
 import threading
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +12,7 @@ from openai import OpenAI
 
 from services.launcher import Stack, apply_command
 from shared.streams import PREFILL_GROUP
-from tests.services.stacks import FAST_HEARTBEAT, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, running_stack, worker_tokens
 from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,13 +24,6 @@ NUM_REQUESTS = 24
 def stack() -> Iterator[Stack]:
     with running_stack("scaling", {"LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), **FAST_HEARTBEAT}) as stack:
         yield stack
-
-
-def worker_tokens(stack: Stack) -> dict[str, float]:
-    with urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    pattern = r'^llmd_worker_tokens_total\{[^}]*worker_id="([^"]+)"\} (\S+)$'
-    return {worker_id: float(value) for worker_id, value in re.findall(pattern, text, re.MULTILINE)}
 
 
 def test_workers_added_and_removed_under_load_serve_and_lose_nothing(stack: Stack) -> None:
