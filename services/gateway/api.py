@@ -106,8 +106,6 @@ async def _write_events(
 ) -> None:
     """Every chunk, then `[DONE]`; a failure after the headers went out ends the stream with an error event."""
     try:
-        for chunk in fmt.opening_chunks(meta, len(gen.choices)):
-            await response.write(sse_event(chunk))
         async for delta in gen.deltas():
             await response.write(sse_event(fmt.chunk(meta, delta)))
         if include_usage:

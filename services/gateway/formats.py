@@ -11,8 +11,8 @@ from services.gateway.openai_schema import (
     Usage,
     chat_completion_body,
     chat_delta_chunk,
+    chat_first_chunk,
     chat_logprobs,
-    chat_role_chunk,
     chat_usage_chunk,
     completion_body,
     completion_chunk,
@@ -26,8 +26,6 @@ class ResponseFormat(Protocol):
 
     def body(self, meta: ResponseMeta, choices: list[Choice], usage: Usage) -> dict[str, Any]: ...
 
-    def opening_chunks(self, meta: ResponseMeta, num_choices: int) -> list[dict[str, Any]]: ...
-
     def chunk(self, meta: ResponseMeta, delta: ChoiceDelta) -> dict[str, Any]: ...
 
     def usage_chunk(self, meta: ResponseMeta, usage: Usage) -> dict[str, Any]: ...
@@ -38,9 +36,6 @@ class CompletionFormat:
 
     def body(self, meta: ResponseMeta, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         return completion_body(meta, choices, usage)
-
-    def opening_chunks(self, meta: ResponseMeta, num_choices: int) -> list[dict[str, Any]]:
-        return []
 
     def chunk(self, meta: ResponseMeta, delta: ChoiceDelta) -> dict[str, Any]:
         logprobs = None if delta.logprobs is None else completion_logprobs(delta.logprobs, delta.text_offset)
@@ -56,11 +51,10 @@ class ChatFormat:
     def body(self, meta: ResponseMeta, choices: list[Choice], usage: Usage) -> dict[str, Any]:
         return chat_completion_body(meta, choices, usage)
 
-    def opening_chunks(self, meta: ResponseMeta, num_choices: int) -> list[dict[str, Any]]:
-        return [chat_role_chunk(meta, index) for index in range(num_choices)]
-
     def chunk(self, meta: ResponseMeta, delta: ChoiceDelta) -> dict[str, Any]:
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.logprobs)
+        if delta.is_first:
+            return chat_first_chunk(meta, delta.index, delta.text, delta.finish_reason, logprobs)
         return chat_delta_chunk(meta, delta.index, delta.text or None, delta.finish_reason, logprobs)
 
     def usage_chunk(self, meta: ResponseMeta, usage: Usage) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class ChoiceDelta:
     logprobs: list[PositionLogprobs] | None  # None unless the request asked for logprobs
     finish_reason: FinishReason | None
     text_offset: int  # characters of the choice's text before `text`
+    is_first: bool  # the choice's first delta: it comes with the choice's first token (or its end), never before
 
 
 class ChoiceState:
@@ -49,6 +50,7 @@ class ChoiceState:
         self._detok = IncrementalDetokenizer(tokenizer, planned.req.prompt_token_ids, stop=planned.req.params.stop)
         self._wants_logprobs = planned.req.params.logprobs is not None
         self.num_text_chars = 0
+        self.num_deltas = 0
         self.num_cached_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.last_token_at: float | None = None
@@ -86,8 +88,11 @@ class ChoiceState:
         logprobs = self._positions(update, num_new) if self._wants_logprobs else None
         if not text and not logprobs and self.finish_reason is None:
             return None
-        delta = ChoiceDelta(self.planned.index, text, logprobs, self.finish_reason, self.num_text_chars)
+        delta = ChoiceDelta(
+            self.planned.index, text, logprobs, self.finish_reason, self.num_text_chars, is_first=self.num_deltas == 0
+        )
         self.num_text_chars += len(text)
+        self.num_deltas += 1
         return delta
 
     def _positions(self, update: TokenUpdate, num_tokens: int) -> list[PositionLogprobs]:

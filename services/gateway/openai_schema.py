@@ -511,9 +511,16 @@ def completion_chunk(
     return _envelope(meta, "text_completion", [choice])
 
 
-def chat_role_chunk(meta: ResponseMeta, index: int) -> dict[str, Any]:
-    """Each chat choice's first chunk: it names the role."""
-    return _chat_chunk(meta, index, {"role": "assistant", "content": ""}, None, None)
+def chat_first_chunk(
+    meta: ResponseMeta,
+    index: int,
+    content: str,
+    finish_reason: FinishReason | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A chat choice's first chunk: it names the role and carries the choice's first text. It goes out with
+    the first token, never before: benchmark clients take the first chunk as the time to first token."""
+    return _chat_chunk(meta, index, {"role": "assistant", "content": content}, finish_reason, logprobs)
 
 
 def chat_delta_chunk(

@@ -267,8 +267,35 @@ async def test_chat_renders_the_template_and_streams_deltas(
         await worker.reply(req, [IM_END], index=2, finish_reason="stop")
         chunks = [chunk async for chunk in stream]
     deltas = [(c.choices[0].delta.role, c.choices[0].delta.content, c.choices[0].finish_reason) for c in chunks]
-    assert deltas == [("assistant", "", None), (None, "Hello!", None), (None, None, "stop")]
+    assert deltas == [("assistant", "Hello!", None), (None, None, "stop")]
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].id.startswith("chatcmpl-")
+
+
+async def test_chat_stream_sends_nothing_before_the_first_token(client: TestClient, worker: FakeWorker) -> None:
+    # Clients time to first token by the first chunk, so each choice's role chunk waits for its first token.
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True}
+    async with client.post("/v1/chat/completions", json=body) as resp:
+        first, second = await worker.next_request(), await worker.next_request()
+        await worker.reply(second, [WORLD])
+        line = await resp.content.readline()  # the first event: nothing was written before this token
+        await worker.reply(first, [HELLO], finish_reason="length")
+        await worker.reply(second, [BANG], index=1, finish_reason="length")
+        events = [json.loads(line.removeprefix(b"data: ")), *sse_events((await resp.read()).lstrip(b"\n"))]
+    choices = [(e["choices"][0]["index"], e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events]
+    assert choices == [
+        (1, {"role": "assistant", "content": " world"}, None),
+        (0, {"role": "assistant", "content": "Hello"}, "length"),
+        (1, {"content": "!"}, "length"),
+    ]
+
+
+async def test_chat_stream_that_fails_before_any_token_has_no_role_chunk(start: Start, worker: FakeWorker) -> None:
+    client = await start(request_timeout_s="0.2")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await worker.next_request()
+    events = sse_events(await (await call).read())
+    assert [e["error"]["code"] for e in events] == ["timeout"]
 
 
 async def test_chat_completion_with_logprobs(client: TestClient, worker: FakeWorker) -> None:

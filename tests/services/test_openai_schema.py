@@ -21,8 +21,8 @@ from services.gateway.openai_schema import (
     Usage,
     chat_completion_body,
     chat_delta_chunk,
+    chat_first_chunk,
     chat_logprobs,
-    chat_role_chunk,
     chat_usage_chunk,
     check_context_length,
     check_token_ids,
@@ -403,19 +403,18 @@ def test_chat_completion_body_parses_as_openai_chat_completion() -> None:
 
 def test_chat_stream_chunks_parse_as_openai_chunks() -> None:
     chunks = [
-        chat_role_chunk(META, 0),
-        chat_delta_chunk(META, 0, "Hel", logprobs=chat_logprobs(POSITIONS[:1])),
+        chat_first_chunk(META, 0, "Hel", logprobs=chat_logprobs(POSITIONS[:1])),
         chat_delta_chunk(META, 0, "lo"),
         chat_delta_chunk(META, 0, None, finish_reason="length"),
         chat_usage_chunk(META, USAGE),
     ]
     parsed = [ChatCompletionChunk.model_validate(chunk) for chunk in chunks]
     assert all(p.object == "chat.completion.chunk" and p.id == "cmpl-abc" for p in parsed)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert [p.choices[0].delta.content for p in parsed[:4]] == ["", "Hel", "lo", None]
-    assert [p.choices[0].finish_reason for p in parsed[:4]] == [None, None, None, "length"]
-    assert chunks[3]["choices"][0]["delta"] == {}
-    assert chunks[4]["choices"] == [] and parsed[4].usage is not None and parsed[4].usage.completion_tokens == 3
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+    assert [p.choices[0].delta.content for p in parsed[:3]] == ["Hel", "lo", None]
+    assert [p.choices[0].finish_reason for p in parsed[:3]] == [None, None, "length"]
+    assert chunks[2]["choices"][0]["delta"] == {}
+    assert chunks[3]["choices"] == [] and parsed[3].usage is not None and parsed[3].usage.completion_tokens == 3
 
 
 def test_completion_stream_chunks() -> None:
