@@ -52,7 +52,13 @@ import redis
 from pydantic import TypeAdapter
 
 from services.pool_planner.loop import PlannerThread
-from shared.settings import PlannerServiceSettings, RedisSettings, WorkerSettings
+from shared.settings import (
+    PlannerServiceSettings,
+    RedisSettings,
+    WorkerSettings,
+    unknown_settings,
+    warn_unknown_settings,
+)
 from shared.streams import Keys
 
 logger = logging.getLogger("launcher")
@@ -204,6 +210,8 @@ class Stack:
     def start(self) -> str | None:
         """Start everything and wait until it serves; returns the gateway's base URL (None without one)."""
         cfg = self.config
+        # one warning per unknown variable, here rather than from every child: the children never see them
+        warn_unknown_settings({**os.environ, **cfg.env, **{k: "" for env in cfg.role_env.values() for k in env}})
         if self.redis_url is None:
             self._redis_server = RedisServer()
             self.redis_url = self._redis_server.start()
@@ -327,6 +335,8 @@ class Stack:
 
     def _spawn(self, name: str, role: str, extra_env: dict[str, str], module: list[str] | None = None) -> None:
         env = {**os.environ, **self._common_env(), **extra_env}
+        for unknown in unknown_settings(env):
+            del env[unknown]
         # preexec_fn only makes one prctl call, resolved beforehand, so it is safe with threads
         process = subprocess.Popen(
             [sys.executable, "-m", *(module or [f"services.{role}"])], env=env, start_new_session=True,

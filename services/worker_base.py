@@ -34,7 +34,7 @@ from shared.engine.engine import RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.loader import ModelNotFoundError, resolve_model_path
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
-from shared.settings import WorkerServiceSettings, parse_cpu_list
+from shared.settings import WorkerServiceSettings, parse_cpu_list, warn_unknown_settings
 from shared.streams import INBOX_GROUP, REDIS_ERRORS, Bus, with_backoff
 
 logger = logging.getLogger(__name__)
@@ -450,6 +450,7 @@ def main(worker_cls: type[Worker]) -> None:
         level=settings.log_level, stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{worker.worker_id}] %(name)s: %(message)s",
     )
+    warn_unknown_settings()
     try:
         pin_to_cpus(settings.worker.cpus)
         asyncio.run(worker.run())

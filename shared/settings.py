@@ -1,17 +1,25 @@
 """Every setting, defined once: `BaseModel` sections composed into one `BaseSettings` per service.
 
 Environment variables use the prefix `LLMD_` and `__` for nesting, e.g.
-`LLMD_KV_CACHE__BLOCK_SIZE=32` or `LLMD_REDIS__URL=redis://host:6379/0`.
+`LLMD_KV_CACHE__BLOCK_SIZE=32` or `LLMD_REDIS__URL=redis://host:6379/0`. The settings ignore
+other variables, so each process warns once at start about an `LLMD_` variable that names no
+setting (`warn_unknown_settings`): a misspelt one would otherwise fall back to its default unseen.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "LLMD_"
+
+logger = logging.getLogger(__name__)
 
 
 class ModelSettings(BaseModel):
@@ -201,3 +209,41 @@ class PlannerServiceSettings(_Base):
     """What the launcher's --planner reads."""
 
     planner: PlannerSettings = PlannerSettings()
+
+
+def service_settings() -> list[type[BaseSettings]]:
+    """Every service's settings class: each subclass of `_Base`, all defined above."""
+    found: list[type[BaseSettings]] = []
+    pending: list[type[BaseSettings]] = [_Base]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def env_names(model: type[BaseModel], prefix: str = ENV_PREFIX) -> set[str]:
+    """The variable of every field, nested sections joined with `__` as pydantic-settings does."""
+    names: set[str] = set()
+    for field_name, field in model.model_fields.items():
+        name = prefix + field_name.upper()
+        names.add(name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            names |= env_names(field.annotation, name + "__")
+    return names
+
+
+def unknown_settings(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """Each `LLMD_` variable of `environ` that names no setting, with the closest setting's name (None if none is
+    close). A name is known when any service reads it, since the launcher gives them all one environment; names
+    compare as pydantic-settings compares them, without regard to case."""
+    known = set().union(*(env_names(settings) for settings in service_settings()))
+    unknown = sorted(name for name in environ if name.upper().startswith(ENV_PREFIX) and name.upper() not in known)
+    return {name: next(iter(difflib.get_close_matches(name.upper(), known, n=1)), None) for name in unknown}
+
+
+def warn_unknown_settings(environ: Mapping[str, str] = os.environ) -> None:
+    """Log one warning per `LLMD_` variable that names no setting; call once, where a process builds its settings."""
+    for name, closest in unknown_settings(environ).items():
+        hint = f"; did you mean {closest}?" if closest else ""
+        logger.warning("%s is not a setting and is ignored%s", name, hint)

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from services.gateway.app import create_app
 from shared.model.loader import ModelNotFoundError
-from shared.settings import GatewayServiceSettings
+from shared.settings import GatewayServiceSettings, warn_unknown_settings
 
 logger = logging.getLogger("services.gateway")
 
@@ -22,6 +22,7 @@ def main() -> None:
     logging.basicConfig(
         level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s [gateway] %(name)s: %(message)s"
     )
+    warn_unknown_settings()
     cfg = settings.gateway
 
     def announce(_: str) -> None:

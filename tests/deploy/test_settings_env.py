@@ -1,7 +1,7 @@
 """Every LLMD_* variable the deployment files set names a real setting.
 
-The settings ignore unknown variables, so a misspelt or renamed one in a compose file or
-manifest would be dropped without a word; these tests are what notices.
+The settings ignore unknown variables (each process only warns about them at start), so a
+misspelt or renamed one in a compose file or manifest would be dropped; these tests are what notices.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from shared.settings import ENV_PREFIX, GatewayServiceSettings, WorkerServiceSettings
+from shared.settings import ENV_PREFIX, GatewayServiceSettings, WorkerServiceSettings, env_names
 from tests.deploy.tools import BASE, REPO_ROOT, base_manifests, by_kind, compose_config, container
 
 SETTINGS_BY_SERVICE: dict[str, type[BaseModel]] = {
@@ -22,17 +22,6 @@ SETTINGS_BY_SERVICE: dict[str, type[BaseModel]] = {
     "decode": WorkerServiceSettings,
 }
 LLMD_VAR = re.compile(r"\bLLMD_[A-Z0-9_]+")
-
-
-def env_names(model: type[BaseModel], prefix: str = ENV_PREFIX) -> set[str]:
-    """The variable of every field, nested sections joined with `__` as pydantic-settings does."""
-    names: set[str] = set()
-    for field_name, field in model.model_fields.items():
-        name = prefix + field_name.upper()
-        names.add(name)
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            names |= env_names(field.annotation, name + "__")
-    return names
 
 
 def test_env_names_follow_pydantic_settings_nesting() -> None:

@@ -146,13 +146,16 @@ async def test_an_added_worker_serves_and_sigterm_lets_it_finish_its_request(gat
 
 
 @pytest.mark.slow
-def test_cli_serves_completions_and_stops_everything_on_sigterm() -> None:
+def test_cli_serves_completions_and_stops_everything_on_sigterm(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "LLMD_REDIS__URL")}
     env["LLMD_KV_CACHE__MEMORY_BYTES"] = str(32 * 2**20)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher", "--port", "0", "--prefill", "1", "--decode", "1"],
-        stdout=subprocess.PIPE, env=env, text=True,
-    )
+    env["LLMD_SCHEDULER__MAX_NUM_SEQ"] = "4"  # misspelt: the launcher warns, and its children never see it
+    log = tmp_path / "launcher.log"
+    with log.open("w") as stderr:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "services.launcher", "--port", "0", "--prefill", "1", "--decode", "1"],
+            stdout=subprocess.PIPE, stderr=stderr, env=env, text=True,
+        )
     try:
         assert launcher.stdout is not None
         line = launcher.stdout.readline()
@@ -176,6 +179,8 @@ def test_cli_serves_completions_and_stops_everything_on_sigterm() -> None:
         launcher.stdout.close()  # type: ignore[union-attr]
     assert exit_code == 0
     assert [pid for pid in children if _is_running(pid)] == []
+    warned = [line for line in log.read_text().splitlines() if "LLMD_SCHEDULER__MAX_NUM_SEQ " in line]
+    assert len(warned) == 1 and warned[0].endswith("did you mean LLMD_SCHEDULER__MAX_NUM_SEQS?"), warned
 
 
 def _get_json(request: urllib.request.Request) -> Any:
