@@ -20,11 +20,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from shared.disk_cache import cache_dir
+from shared.disk_cache import cache_dir, one_builder
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,17 @@ def _build(source: Path, compiler: str, extra_flags: tuple[str, ...]) -> Path:
                  _cpu_signature().encode()):
         digest.update(part)
     target = cache_dir("kernels") / f"{source.stem}-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
+    if not target.exists():
+        with one_builder(target, f"compiling {source.name} for this CPU"):
+            if not target.exists():  # else built while this process waited
+                _compile(source, compiler, compile_flags, target)
+    return target
+
+
+def _compile(source: Path, compiler: str, compile_flags: tuple[str, ...], target: Path) -> None:
+    started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: several workers may start at once
+    # build beside the target and rename, so no process ever loads a half-written library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     obj = tmp + ".o"
@@ -71,7 +79,8 @@ def _build(source: Path, compiler: str, extra_flags: tuple[str, ...]) -> Path:
         for path in (tmp, obj):
             if os.path.exists(path):
                 os.unlink(path)
-    return target
+    logger.info("compiled %s for this CPU in %.1f s, once (later starts load it from %s)",
+                source.name, time.monotonic() - started, target.parent)
 
 
 def profiled(name: str) -> contextlib.AbstractContextManager:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import json
 import logging
 import os
 import queue
@@ -52,7 +53,10 @@ import redis
 from pydantic import TypeAdapter
 
 from services.pool_planner.loop import PlannerThread
+from shared.disk_cache import cache_dir
 from shared.settings import (
+    GatewaySettings,
+    ModelSettings,
     PlannerServiceSettings,
     RedisSettings,
     WorkerSettings,
@@ -65,6 +69,7 @@ logger = logging.getLogger("launcher")
 
 ROLES = ("prefill", "decode", "colocated")
 PR_SET_PDEATHSIG = 1
+STILL_STARTING_EVERY_S = 15.0
 
 
 class StackError(RuntimeError):
@@ -226,11 +231,19 @@ class Stack:
             port = cfg.port or free_port(cfg.host)
             self._spawn("gateway", "gateway", {"LLMD_GATEWAY__HOST": cfg.host, "LLMD_GATEWAY__PORT": str(port)})
             self.base_url = f"http://{cfg.host}:{port}"
-        for name in names:
-            self.wait_registered(name)
-        if self.base_url is not None:
-            self._wait_gateway_ready()
+        if self._is_first_start():
+            logger.info(
+                "first start: the model is converted and the C kernels are compiled, once, into %s (up to a minute "
+                "on 2 cores; later starts skip both)", cache_dir("models").parent,
+            )  # fmt: skip
+        self._wait_started(names)
         return self.base_url
+
+    def _is_first_start(self) -> bool:
+        """No converted model is on disk yet, and the workers will keep one (the processes log each conversion)."""
+        disk_cache = {**os.environ, **self.config.env}.get("LLMD_MODEL__DISK_CACHE", ModelSettings().disk_cache)
+        keeps_one = TypeAdapter(bool).validate_python(disk_cache)
+        return bool(self.children) and keeps_one and not cache_dir("models").is_dir()
 
     def add_worker(self, role: str, wait: bool = True, module: list[str] | None = None) -> str:
         """Start one more worker of `role`; with `wait`, return once its heartbeat is published.
@@ -310,17 +323,39 @@ class Stack:
         finally:
             client.close()
 
-    def _wait_gateway_ready(self) -> None:
-        url = f"{self.base_url}/ready"
+    def _wait_started(self, worker_names: list[str]) -> None:
+        """Wait for each worker's heartbeat and the gateway's /ready, logging each as it comes and, every
+        STILL_STARTING_EVERY_S, who is still loading: a first start is long, and should not look stuck."""
+        client = redis.Redis.from_url(self.redis_url or "", socket_timeout=5)
+        pending: dict[str, Callable[[], bool]] = {
+            name: lambda name=name: bool(client.exists(self.keys.alive(name))) for name in worker_names
+        }
+        if self.base_url is not None:
+            pending["gateway"] = self._gateway_is_ready
+        started = time.monotonic()
+        report_at = started + STILL_STARTING_EVERY_S
 
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    return response.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
+        def all_started() -> bool:
+            nonlocal report_at
+            for name in [name for name, is_up in pending.items() if is_up()]:
+                del pending[name]
+                logger.info("%s is up after %.0f s", name, time.monotonic() - started)
+            if pending and time.monotonic() >= report_at:
+                logger.info("still starting after %.0f s: %s", time.monotonic() - started, ", ".join(pending))
+                report_at += STILL_STARTING_EVERY_S
+            return not pending
 
-        self._wait_until(ready, f"the gateway at {url}")
+        try:
+            self._wait_until(all_started, "the workers and the gateway to start")
+        finally:
+            client.close()
+
+    def _gateway_is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def _wait_until(self, condition: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -419,10 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     planner: PlannerThread | None = None
     try:
-        base_url = stack.start()
-        where = base_url or f"workers only, Redis at {stack.redis_url} namespace {stack.namespace}"
-        print(f"serving {args.prefill} prefill + {args.decode} decode + {args.colocated} colocated worker(s): "
-              f"{where}  (Ctrl-C to stop; +ROLE/-ROLE on stdin to scale)", flush=True)
+        stack.start()
+        print(ready_banner(stack, {"prefill": args.prefill, "decode": args.decode, "colocated": args.colocated}),
+              flush=True)
         commands: queue.Queue[str] = queue.Queue()
         threading.Thread(target=_read_commands, args=(commands,), daemon=True, name="stdin").start()
         if args.planner:
@@ -438,6 +472,28 @@ def main(argv: list[str] | None = None) -> int:
         if planner is not None:
             planner.stop()
         stack.stop()
+
+
+def ready_banner(stack: Stack, counts: dict[str, int]) -> str:
+    """What the CLI prints on stdout once everything serves: the URL on a line of its own, apart from the log."""
+    workers = " + ".join(f"{n} {role}" for role, n in counts.items() if n)
+    if stack.base_url is None:
+        where = f"workers only, Redis at {stack.redis_url} namespace {stack.namespace}"
+    else:
+        model = _served_model(stack.base_url, {**os.environ, **stack.config.env})
+        where = f"{stack.base_url}  (OpenAI API at {stack.base_url}/v1{f', model {model}' if model else ''})"
+    return f"\n  ready: {where}\n  {workers} worker(s); Ctrl-C stops everything; +ROLE or -ROLE on stdin scales\n"
+
+
+def _served_model(base_url: str, env: dict[str, str]) -> str | None:
+    """The model id that /v1/models lists first (None if it cannot be read)."""
+    api_keys = GatewaySettings(api_keys=env.get("LLMD_GATEWAY__API_KEYS", "")).api_key_list
+    headers = {"Authorization": f"Bearer {api_keys[0]}"} if api_keys else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{base_url}/v1/models", headers=headers), timeout=5) as r:
+            return str(json.load(r)["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, LookupError):
+        return None
 
 
 def _read_commands(commands: queue.Queue[str]) -> None:

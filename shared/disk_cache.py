@@ -3,17 +3,22 @@
 What goes there is derived from inputs named in the entry's key (a compiled kernel, a
 converted model), so it can be deleted at any time and is rebuilt on next use. Entries are
 written beside their final name and renamed into place, so processes starting together never
-read a half-written one.
+read a half-written one; and one process builds a missing entry while the others that need it
+wait for it (`one_builder`), since building (a model's conversion, ~15 s) is the slow part of a
+first start and each builder would only slow the others down.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -64,6 +69,31 @@ def build_folder(target: Path, fill: Callable[[Path], None]) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def one_builder(target: Path, what: str) -> Iterator[None]:
+    """Held by one process of this host at a time for `target`: an flock on a file in the temporary
+    folder, which the kernel releases if its holder dies. A process that has to wait says so with
+    `what` ("converting ..."). Where no lock file can be made it holds nothing: two builders then
+    only cost time."""
+    digest = hashlib.sha256(str(target.absolute()).encode()).hexdigest()[:16]
+    lock_path = Path(tempfile.gettempdir()) / f"llmd-build-{digest}.lock"
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting while another process is %s", what)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+        lock_path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
 def load_or_build(
     folder: Path,
     read: Callable[[Path], T],
@@ -71,21 +101,29 @@ def load_or_build(
     write: Callable[[T, Path], None],
     read_errors: tuple[type[Exception], ...] = (OSError, ValueError),
     keep: Callable[[T], bool] = lambda _: True,
+    what: str = "",
 ) -> T:
     """`read(folder)` where the entry exists; else `build()`, written with `write(value, folder)`
-    when `keep(value)`. An unreadable entry is logged, removed and rebuilt; a failed write is
-    logged and the built value still returned: the cache only ever saves time."""
-    if folder.is_dir():
-        try:
-            return read(folder)
-        except read_errors as exc:
-            logger.warning("cache entry %s is unreadable (%s); rebuilding it", folder, exc)
-            shutil.rmtree(folder, ignore_errors=True)
-    value = build()
-    if keep(value):
-        try:
-            build_folder(folder, lambda scratch: write(value, scratch))
-            logger.info("cached %s", folder)
-        except OSError as exc:
-            logger.warning("could not write cache entry %s (%s); the next start builds it again", folder, exc)
-    return value
+    when `keep(value)`. One process builds a missing entry; the others wait for it, then read it.
+    An unreadable entry is logged, removed and rebuilt; a failed write is logged and the built
+    value still returned: the cache only ever saves time. `what` says what building is, for the log."""
+    what = what or f"building {folder}"
+    with contextlib.ExitStack() as held:
+        if not folder.is_dir():
+            held.enter_context(one_builder(folder, what))
+        if folder.is_dir():
+            try:
+                return read(folder)
+            except read_errors as exc:
+                logger.warning("cache entry %s is unreadable (%s); rebuilding it", folder, exc)
+                shutil.rmtree(folder, ignore_errors=True)
+        logger.info("%s, once: it is not in the disk cache yet (later starts read it from there)", what)
+        started = time.monotonic()
+        value = build()
+        if keep(value):
+            try:
+                build_folder(folder, lambda scratch: write(value, scratch))
+                logger.info("%s took %.1f s; cached in %s", what, time.monotonic() - started, folder)
+            except OSError as exc:
+                logger.warning("could not write cache entry %s (%s); the next start builds it again", folder, exc)
+        return value

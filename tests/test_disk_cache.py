@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from shared import disk_cache
-from shared.disk_cache import derived_folder, file_key, load_or_build
+from shared.disk_cache import build_folder, derived_folder, file_key, load_or_build, one_builder
 from shared.model import loader
 from shared.text import tokenizer as tokenizer_module
 from shared.text.tokenizer import Tokenizer
@@ -82,6 +84,27 @@ def test_losing_the_race_to_another_writer_keeps_its_entry(tmp_path: Path) -> No
     assert load_or_build(folder, _read_text, lambda: "ours", write_after_the_other_process) == "ours"
     assert _read_text(folder) == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == ["entry"]
+
+
+def test_while_one_process_builds_an_entry_another_waits_then_reads_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # one_builder's flock belongs to its open file, so a thread's second open waits as another process would
+    folder = tmp_path / "entry"
+    results: list[str] = []
+    waiter = threading.Thread(target=lambda: results.append(load_or_build(
+        folder, _read_text, lambda: pytest.fail("built again"), _write_text, what="converting the test entry",
+    )))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger=disk_cache.__name__):
+        with one_builder(folder, "converting the test entry"):
+            waiter.start()
+            deadline = time.monotonic() + 30  # bounds a hang only
+            while "waiting while another process is converting the test entry" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.01)
+            build_folder(folder, lambda scratch: _write_text("built by the first", scratch))
+        waiter.join()
+    assert results == ["built by the first"]
 
 
 def test_the_key_follows_the_file_and_the_format(tmp_path: Path) -> None:

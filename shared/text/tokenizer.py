@@ -81,7 +81,8 @@ class Tokenizer:
             hf.save_pretrained(str(folder))
 
         folder = derived_folder("models", path, _GGUF_CACHE_ENTRY)
-        hf = load_or_build(folder, read, convert, write) if disk_cache else convert()
+        what = f"converting the tokenizer of {path.name}"
+        hf = load_or_build(folder, read, convert, write, what=what) if disk_cache else convert()
         metadata = _gguf_metadata(path)
         end_ids = [int(metadata[key]) for key in _GGUF_END_KEYS if key in metadata]
         return cls(hf, name=path.stem, eos_token_ids=_unique([hf.eos_token_id, *end_ids]))

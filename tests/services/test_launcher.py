@@ -158,15 +158,14 @@ def test_cli_serves_completions_and_stops_everything_on_sigterm(tmp_path: Path) 
         )
     try:
         assert launcher.stdout is not None
-        line = launcher.stdout.readline()
-        match = re.search(r"(http://[\d.]+:\d+)", line)
-        assert match, f"no URL in {line!r}"
-        base_url = match.group(1)
+        banner = next(line for line in iter(launcher.stdout.readline, "") if "ready:" in line)
+        match = re.search(r"ready: (http://[\d.]+:\d+) .*, model (\S+)\)", banner)
+        assert match, f"no URL and model in {banner!r}"
+        base_url, model = match.groups()
         children = _children(launcher.pid)
         assert len(children) == 4  # redis, 2 workers, gateway
 
-        models = _get_json(urllib.request.Request(f"{base_url}/v1/models"))
-        body = {"model": models["data"][0]["id"], "prompt": "The capital of France is", "max_tokens": 5,
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 5,
                 "temperature": 0}
         completion = _get_json(urllib.request.Request(
             f"{base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -179,7 +178,9 @@ def test_cli_serves_completions_and_stops_everything_on_sigterm(tmp_path: Path) 
         launcher.stdout.close()  # type: ignore[union-attr]
     assert exit_code == 0
     assert [pid for pid in children if _is_running(pid)] == []
-    warned = [line for line in log.read_text().splitlines() if "LLMD_SCHEDULER__MAX_NUM_SEQ " in line]
+    lines = log.read_text().splitlines()
+    assert [name for name in ("prefill-0", "decode-0", "gateway") if not any(f"{name} is up" in x for x in lines)] == []
+    warned = [line for line in lines if "LLMD_SCHEDULER__MAX_NUM_SEQ " in line]
     assert len(warned) == 1 and warned[0].endswith("did you mean LLMD_SCHEDULER__MAX_NUM_SEQS?"), warned
 
 
