@@ -238,8 +238,10 @@ def unknown_settings(environ: Mapping[str, str]) -> dict[str, str | None]:
     close). A name is known when any service reads it, since the launcher gives them all one environment; names
     compare as pydantic-settings compares them, without regard to case."""
     known = set().union(*(env_names(settings) for settings in service_settings()))
+    # a section's name is known (it takes JSON) but makes a poor suggestion: suggest fields only
+    fields = [name for name in known if not any(other.startswith(name + "__") for other in known)]
     unknown = sorted(name for name in environ if name.upper().startswith(ENV_PREFIX) and name.upper() not in known)
-    return {name: next(iter(difflib.get_close_matches(name.upper(), known, n=1)), None) for name in unknown}
+    return {name: next(iter(difflib.get_close_matches(name.upper(), fields, n=1)), None) for name in unknown}
 
 
 def warn_unknown_settings(environ: Mapping[str, str] = os.environ) -> None:

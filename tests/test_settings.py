@@ -30,6 +30,13 @@ def test_a_misspelt_variable_is_named_once_with_the_closest_setting(caplog: pyte
     ]
 
 
+def test_the_suggestion_is_a_setting_not_a_section(caplog: pytest.LogCaptureFixture) -> None:
+    # LLMD_KV_CACHE (the section, as JSON) is closer by spelling, but names no one setting
+    assert warnings_for({"LLMD_KV_CACHE__COLOUR": "red"}, caplog) == [
+        "LLMD_KV_CACHE__COLOUR is not a setting and is ignored; did you mean LLMD_KV_CACHE__BLOCK_SIZE?"
+    ]
+
+
 def test_a_name_close_to_no_setting_gets_no_suggestion(caplog: pytest.LogCaptureFixture) -> None:
     assert warnings_for({"LLMD_QQQQQQQQQQQQQQQQQQ": "1"}, caplog) == [
         "LLMD_QQQQQQQQQQQQQQQQQQ is not a setting and is ignored"
