@@ -88,8 +88,10 @@ def one_builder(target: Path, what: str) -> Iterator[None]:
         except BlockingIOError:
             logger.info("waiting while another process is %s", what)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-        lock_path.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)  # a failed build too; a killed one leaves an unheld file, reused
     finally:
         os.close(fd)
 

@@ -107,6 +107,18 @@ def test_while_one_process_builds_an_entry_another_waits_then_reads_it(
     assert results == ["built by the first"]
 
 
+def test_a_failed_build_leaves_no_lock_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk_cache.tempfile, "gettempdir", lambda: str(tmp_path / "locks"))
+    (tmp_path / "locks").mkdir()
+
+    def build() -> str:
+        raise RuntimeError("no compiler")
+
+    with pytest.raises(RuntimeError, match="no compiler"):
+        load_or_build(tmp_path / "entry", _read_text, build, _write_text)
+    assert list((tmp_path / "locks").iterdir()) == []
+
+
 def test_the_key_follows_the_file_and_the_format(tmp_path: Path) -> None:
     source = tmp_path / "model.gguf"
     source.write_bytes(b"one")
