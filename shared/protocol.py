@@ -210,3 +210,4 @@ class WorkerStatus(Message):
     timestamp: float
     draining: bool = False
     health_port: int | None = None  # of /health and /metrics, so tools find workers started with port 0
+    kv_shm: str = ""  # its shared-memory marker (services/kv_connector.py); empty: no shared tmpfs

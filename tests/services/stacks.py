@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from typing import Any
 
 import redis
 
+from bench.stack_harness import scrape_metrics
 from services.launcher import Stack, StackConfig
 from shared.protocol import WorkerStatus, decode
 from shared.settings import WorkerSettings
@@ -63,3 +65,13 @@ def live_workers(rds: redis.Redis, keys: Keys, role: str) -> list[WorkerStatus]:
     """The registered workers of `role` whose heartbeat is current."""
     statuses = [decode(v) for v in rds.hgetall(keys.workers(role)).values()]
     return [s for s in statuses if isinstance(s, WorkerStatus) and rds.exists(keys.alive(s.worker_id))]
+
+
+def kv_bytes_by_transport(rds: redis.Redis, keys: Keys) -> dict[str, float]:
+    """KV bytes the live prefill workers handed off, per transport (llmd_handoff_bytes)."""
+    totals: dict[str, float] = {}
+    for status in live_workers(rds, keys, "prefill"):
+        for key, value in scrape_metrics(f"http://127.0.0.1:{status.health_port}/metrics").items():
+            if key.startswith("llmd_handoff_bytes_total{") and (m := re.search(r'transport="(\w+)"', key)):
+                totals[m[1]] = totals.get(m[1], 0.0) + value
+    return totals
