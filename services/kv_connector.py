@@ -168,6 +168,7 @@ class SharedMemoryKVConnector(KVConnector):
         self.ttl_s = ttl_s
         self.token = secrets.token_hex(8)
         self._marker = self._worker_marker(self.token)
+        self._refresh_failed = False
 
     def _worker_marker(self, token: str) -> Path:
         return self.directory / f"{self.prefix}worker-{token}"
@@ -182,11 +183,30 @@ class SharedMemoryKVConnector(KVConnector):
         return True
 
     def refresh(self) -> None:
-        """Show that this worker is alive: a marker older than ttl_s is swept as a dead worker's."""
+        """Show that this worker is alive: a marker older than ttl_s is swept as a dead worker's.
+        A marker that disappeared anyway (removed by hand, or the tmpfs was cleared) is recreated."""
         try:
             os.utime(self._marker)
+            self._refresh_failed = False
+            return
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            logger.warning("could not refresh the KV marker %s (%s); prefill workers may use Redis", self._marker, e)
+            self._warn_once(f"could not refresh the KV marker {self._marker} ({e}); prefill workers may use Redis")
+            return
+        try:
+            self._marker.touch()
+        except OSError as e:
+            self._warn_once(f"could not recreate the KV marker {self._marker} ({e}); prefill workers may use Redis")
+            return
+        logger.warning("the KV marker %s had disappeared; recreated it", self._marker)
+        self._refresh_failed = False
+
+    def _warn_once(self, message: str) -> None:
+        """Log a failed refresh once, not every heartbeat until it succeeds again."""
+        if not self._refresh_failed:
+            logger.warning("%s", message)
+        self._refresh_failed = True
 
     def withdraw(self) -> None:
         self._marker.unlink(missing_ok=True)
@@ -281,7 +301,8 @@ class SharedMemoryKVConnector(KVConnector):
 
     def sweep(self, now: float | None = None) -> int:
         """Remove this deployment's transfers and worker markers older than ttl_s (left by workers
-        that were killed; a live worker refreshes its marker every heartbeat); returns how many."""
+        that were killed; a live worker refreshes its marker every heartbeat interval from its
+        start, while its model still loads); returns how many."""
         cutoff = (time.time() if now is None else now) - self.ttl_s
         removed = 0
         for path in [*self.directory.glob(f"{self.prefix}kv-*"), *self.directory.glob(f"{self.prefix}worker-*")]:
@@ -350,6 +371,11 @@ class KVTransports:
 
     async def get(self, location: str) -> torch.Tensor:
         return await self._at(location).get(location)
+
+    @staticmethod
+    def transport_of(location: str) -> str:
+        """The transport a location's bytes went through, as the metrics label it."""
+        return "shm" if location.startswith(SHM_SCHEME) else "redis"
 
     async def discard(self, location: str) -> None:
         await self._at(location).discard(location)

@@ -181,6 +181,9 @@ class Worker:
                 loop.add_signal_handler(sig, self.request_stop)
         await self._start_health_server()
         self.kv.start()
+        # from now on, not from the first heartbeat: a model's first load (converting it into the
+        # disk cache) can outlast the marker's TTL, and a neighbour would sweep the marker meanwhile
+        self._tasks = [self._spawn_forever(self._kv_marker_loop())]
         logger.info("%s worker %s: loading %s", self.role, self.worker_id, self.settings.model.path)
         engine = await self.engine.load(self.settings)
         stats = self.engine.stats
@@ -193,7 +196,7 @@ class Worker:
         )
         await with_backoff(self.setup, "creating consumer groups", self.stopped)
         await self._publish_status()
-        self._tasks = [self._spawn_forever(self._heartbeat_loop()), self._spawn_forever(self._step_loop())]
+        self._tasks += [self._spawn_forever(self._heartbeat_loop()), self._spawn_forever(self._step_loop())]
         self._tasks += [self._spawn_forever(coro) for coro in self.serve_tasks()]
         logger.info("serving: inbox %s, redis %s namespace %s", self.inbox, self.settings.redis.url,
                     self.settings.redis.namespace)
@@ -357,6 +360,7 @@ class Worker:
             busy_s=self.engine.busy_s,
             num_steps=self.engine.num_steps,
             num_prefilled=self.num_prefilled,
+            kv_shm=self.kv.shm_token,
         )
 
     def beat_now(self) -> None:
@@ -390,8 +394,12 @@ class Worker:
             await _wait(self._beat_now, cfg.heartbeat_interval_s)
             self._beat_now.clear()
 
+    async def _kv_marker_loop(self) -> None:
+        while not self.stopped.is_set():
+            self.kv.refresh()
+            await _wait(self.stopped, self.settings.worker.heartbeat_interval_s)
+
     async def _beat(self, num_beats: int) -> None:
-        self.kv.refresh()
         try:
             await self._publish_status()
             if num_beats % TRIM_EVERY_BEATS == 0:

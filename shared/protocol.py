@@ -214,3 +214,4 @@ class WorkerStatus(Message):
     busy_s: float = 0.0  # seconds spent in engine steps that computed something
     num_steps: int = 0
     num_prefilled: int = 0  # requests whose first token this worker computed
+    kv_shm: str = ""  # its shared-memory marker (services/kv_connector.py); empty: no shared tmpfs

@@ -353,14 +353,14 @@ class PrefillWorker(Worker):
             (self.keys.replies(t.msg.gateway_id), TokenBatch([holder])),
         ])
         self._remember_handoff(t.req_id, decode_id)
-        self._observe_handoff(t, decode_id, len(needed), num_bytes)
+        self._observe_handoff(t, decode_id, len(needed), num_bytes, self.kv.transport_of(location))
 
-    def _observe_handoff(self, t: Tracked, decode_id: str, num_blocks: int, num_bytes: int) -> None:
+    def _observe_handoff(self, t: Tracked, decode_id: str, num_blocks: int, num_bytes: int, transport: str) -> None:
         assert t.prefilled_at is not None
         handoff_s = time.monotonic() - t.prefilled_at
         ttft_s = max(1e-6, time.time() - handoff_s - t.arrived_at)
         self.metrics.handoff_seconds.observe(handoff_s)
-        self.metrics.handoff_bytes.inc(num_bytes)
+        self.metrics.handoff_bytes[transport].inc(num_bytes)
         self._tally.num_handoffs += 1
         self._tally.num_handoff_bytes += num_bytes
         self._tally.handoff_s += handoff_s

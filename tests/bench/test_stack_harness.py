@@ -51,7 +51,7 @@ async def worker_page() -> AsyncIterator[tuple[WorkerMetrics, str]]:
 
 async def test_scrape_reads_counters_histograms_and_escaped_labels(worker_page: tuple[WorkerMetrics, str]) -> None:
     metrics, url = worker_page
-    metrics.handoff_bytes.inc(3 * 2**20)
+    metrics.handoff_bytes["shm"].inc(3 * 2**20)
     metrics.handoff_seconds.observe(0.25)
     metrics.handoff_seconds.observe(0.5)
 
@@ -59,7 +59,9 @@ async def test_scrape_reads_counters_histograms_and_escaped_labels(worker_page: 
     samples = await asyncio.to_thread(scrape_metrics, url)
 
     labels = 'model_name="m",worker_id="prefill-\\"0\\""'
-    assert samples[f"llmd_handoff_bytes_total{{{labels}}}"] == 3 * 2**20
+    by_transport = 'model_name="m",transport="{}",worker_id="prefill-\\"0\\""'
+    assert samples[f"llmd_handoff_bytes_total{{{by_transport.format('shm')}}}"] == 3 * 2**20
+    assert samples[f"llmd_handoff_bytes_total{{{by_transport.format('redis')}}}"] == 0
     assert samples[f"llmd_handoff_seconds_count{{{labels}}}"] == 2
     assert samples[f"llmd_handoff_seconds_sum{{{labels}}}"] == 0.75
     assert samples[f'llmd_handoff_seconds_bucket{{le="0.25",{labels}}}'] == 1

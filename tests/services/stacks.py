@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from bench.stack_harness import scrape_metrics
 from services.launcher import Stack, StackConfig
 from shared.protocol import WorkerStatus, decode
 from shared.settings import WorkerSettings
@@ -83,3 +84,13 @@ def worker_tokens(stack: Stack) -> dict[str, float]:
     """Output tokens the gateway received from each worker (its llmd_worker_tokens_total series)."""
     pattern = r'^llmd_worker_tokens_total\{[^}]*worker_id="([^"]+)"\} (\S+)$'
     return {worker_id: float(value) for worker_id, value in re.findall(pattern, scrape(stack.base_url), re.MULTILINE)}
+
+
+def kv_bytes_by_transport(rds: redis.Redis, keys: Keys) -> dict[str, float]:
+    """KV bytes the live prefill workers handed off, per transport (llmd_handoff_bytes)."""
+    totals: dict[str, float] = {}
+    for status in live_workers(rds, keys, "prefill"):
+        for key, value in scrape_metrics(f"http://127.0.0.1:{status.health_port}/metrics").items():
+            if key.startswith("llmd_handoff_bytes_total{") and (m := re.search(r'transport="(\w+)"', key)):
+                totals[m[1]] = totals.get(m[1], 0.0) + value
+    return totals

@@ -208,3 +208,34 @@ async def test_a_worker_without_shared_memory_refuses_a_shared_memory_location(b
     redis_only = kv_transports(bus.redis, bus.keys, "ns", "", ttl_s=30)
     with pytest.raises(KVTransferError, match="in shared memory, which this worker does not use"):
         await redis_only.get(SHM_SCHEME + "/dev/shm/llmd-ns-kv-1-0")
+
+
+def test_a_marker_that_disappeared_is_recreated_and_said_once(shm: SharedMemoryKVConnector,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    assert shm.advertise()
+    shm._marker.unlink()  # a neighbour swept it, or someone cleared the tmpfs
+
+    shm.refresh()
+    shm.refresh()
+
+    assert shm._marker.exists()
+    assert caplog.text.count("had disappeared; recreated it") == 1
+    shm.withdraw()
+
+
+def test_a_marker_that_cannot_be_refreshed_is_warned_about_once(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    shm = SharedMemoryKVConnector(directory, "ns", ttl_s=30)
+    assert shm.advertise()
+    shm._marker.unlink()
+    directory.rmdir()  # the tmpfs went away
+
+    for _ in range(3):
+        shm.refresh()
+
+    assert caplog.text.count("could not recreate the KV marker") == 1
+    directory.mkdir()
+    shm.refresh()
+    assert shm._marker.exists() and caplog.text.count("recreated it") == 1
