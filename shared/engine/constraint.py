@@ -35,7 +35,3 @@ class StructuredSpec:
     @classmethod
     def choice(cls, options: Sequence[str]) -> StructuredSpec:
         return cls("choice", json.dumps(list(options)))
-
-    def describe(self) -> str:
-        shown = self.value if len(self.value) <= 60 else self.value[:57] + "..."
-        return f"{self.kind} {shown!r}" if shown else self.kind

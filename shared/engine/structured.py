@@ -108,15 +108,13 @@ def _first_line(exc: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
-def token_masks(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
-    """The rows that have a matcher and their allowed tokens as an int32 bitmask
-    [num_masked, ceil(vocab / 32)] (bit j of word w allows token 32 * w + j); None when no row has one."""
-    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
-    if not rows:
+def token_masks(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> torch.Tensor | None:
+    """Every row's allowed tokens as an int32 bitmask [num_rows, ceil(vocab / 32)] (bit j of word w
+    allows token 32w + j; a row without a matcher allows all), or None when no row has a matcher."""
+    if all(matcher is None for matcher in matchers):
         return None
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
-    for k, row in enumerate(rows):
-        matcher = matchers[row]
-        assert matcher is not None
-        matcher.fill_mask(bitmask, k)
-    return rows, bitmask
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)  # all ones
+    for row, matcher in enumerate(matchers):
+        if matcher is not None:
+            matcher.fill_mask(bitmask, row)
+    return bitmask

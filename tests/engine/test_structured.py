@@ -164,9 +164,9 @@ def test_only_constrained_rows_are_masked() -> None:
     vocab = 70
     rows = [SamplingInput(SamplingParams(temperature=0.0), 0, [1], []) for _ in range(3)]
     assert build_sampling_batch(rows, [0], vocab, "cpu").allowed is None  # nothing to pay without a grammar
-    bitmask = torch.zeros((1, 3), dtype=torch.int32)
-    bitmask[0, 1] = 1 << 5  # only token 37
-    batch = build_sampling_batch(rows, [0], vocab, "cpu", ([1], bitmask))
+    bitmask = torch.full((3, 3), -1, dtype=torch.int32)  # every token
+    bitmask[1] = torch.tensor([0, 1 << 5, 0])  # only token 37
+    batch = build_sampling_batch(rows, [0], vocab, "cpu", bitmask)
     logits = torch.zeros((3, vocab))
     logits[:, 3] = 5.0
     assert Sampler()(logits, batch).token_ids == [3, 37, 3]
