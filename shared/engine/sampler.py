@@ -1,10 +1,9 @@
 """Turns one step's logits into next tokens: penalties, filters, seeded sampling, logprobs.
 
 Order (vLLM's): raw logprobs -> allowed-token masks (structured output) -> min_tokens and
-penalties -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> Gumbel-max with noise that is a pure function of
-(seed, position, vocab index), so a seeded row samples the same token whatever shares its
-batch and on whichever worker it runs.
+penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> Gumbel-max with noise
+that is a pure function of (seed, position, vocab index), so a seeded row samples the same token
+whatever shares its batch and on whichever worker it runs.
 """
 
 from __future__ import annotations
@@ -233,7 +232,7 @@ def gumbel_noise(keys: Tensor, vocab_ids: Tensor) -> Tensor:
 
 
 def process_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """[num_rows, vocab] logits after min_tokens bans and penalties; what greedy rows argmax.
+    """[num_rows, vocab] logits after grammar masks, min_tokens bans and penalties; what greedy rows argmax.
     Returns `logits` itself when nothing applies, else a new tensor."""
     if batch.banned is None and batch.penalties is None and batch.allowed is None:
         return logits
