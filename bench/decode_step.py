@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -27,7 +28,15 @@ from shared.model.runner import PHASE_FORWARD, PHASE_LOGITS, STEP_PHASES
 from shared.settings import EngineSettings, KVCacheSettings, ModelSettings, SchedulerSettings
 
 
-def decode_engine(loaded: LoadedModel, dtype: str, batch_size: int, context: int) -> Engine:
+def free_decode(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+
+def decode_engine(
+    loaded: LoadedModel, dtype: str, batch_size: int, context: int,
+    params_of: Callable[[int], SamplingParams] = free_decode,
+) -> Engine:
+    """An engine decoding `batch_size` random prompts of `context` tokens, request i with params_of(i)."""
     engine = Engine(EngineSettings(
         model=ModelSettings(dtype=dtype, device="cpu"),  # type: ignore[arg-type]
         kv_cache=KVCacheSettings(memory_bytes=2**30),
@@ -35,8 +44,7 @@ def decode_engine(loaded: LoadedModel, dtype: str, batch_size: int, context: int
     ), loaded)
     rng = random.Random(0)
     for i in range(batch_size):
-        engine.add_request(str(i), [rng.randrange(1000, 20000) for _ in range(context)],
-                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        engine.add_request(str(i), [rng.randrange(1000, 20000) for _ in range(context)], params_of(i))
     engine.step()  # the prefill
     engine.step()
     return engine

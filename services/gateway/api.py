@@ -28,6 +28,9 @@ from services.gateway.openai_schema import (
 )
 from services.gateway.planner import ApiRequest, PromptLimits, plan_choices
 from services.gateway.prompts import encode_chat, encode_prompts
+from services.gateway.structured import checked_constraint
+from services.gateway.tools import ToolChatFormat, plan_tools
+from shared.engine.constraint import StructuredSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class Job:
     limits: PromptLimits
     fmt: ResponseFormat
     arrived_at: float  # monotonic
+    structured: StructuredSpec | None = None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -48,9 +52,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     api_req = parse_request(CompletionRequest, await read_body(request, gw.settings.max_body_bytes))
     gw.check_model(api_req.model)
+    structured = await checked_constraint(gw.grammars, api_req, None)
     prompts = await encode_prompts(gw.tokenizer, api_req.prompt)
     limits = PromptLimits(gw.model.max_model_len, gw.settings.default_max_tokens, "prompt")
-    return await respond(request, Job(api_req, prompts, limits, COMPLETION, arrived_at))
+    return await respond(request, Job(api_req, prompts, limits, COMPLETION, arrived_at, structured))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -58,14 +63,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     api_req = parse_request(ChatCompletionRequest, await read_body(request, gw.settings.max_body_bytes))
     gw.check_model(api_req.model)
-    prompt = await encode_chat(gw.tokenizer, api_req.template_messages())
+    tools = plan_tools(api_req)
+    structured = await checked_constraint(gw.grammars, api_req, tools.spec() if tools is not None else None)
+    messages, fmt = api_req.template_messages(), CHAT
+    template_tools = None
+    if tools is not None:
+        knows_tools = gw.tokenizer.template_knows_tools
+        messages, template_tools = tools.prompt_messages(messages, knows_tools), tools.template_tools(knows_tools)
+        fmt = ToolChatFormat(tools)
+    prompt = await encode_chat(gw.tokenizer, messages, tools=template_tools)
     limits = PromptLimits(gw.model.max_model_len, None, "messages")  # chat may use the rest of the context
-    return await respond(request, Job(api_req, [prompt], limits, CHAT, arrived_at))
+    return await respond(request, Job(api_req, [prompt], limits, fmt, arrived_at, structured))
 
 
 async def respond(request: web.Request, job: Job) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    choices = plan_choices(job.api_req, job.prompts, job.limits, time.time() + gw.settings.request_timeout_s)
+    deadline = time.time() + gw.settings.request_timeout_s
+    choices = plan_choices(job.api_req, job.prompts, job.limits, deadline, job.structured)
     meta = ResponseMeta(f"{job.fmt.id_prefix}-{uuid.uuid4().hex}", gw.model.name, int(time.time()))
     with gw.admission.hold(len(choices), sum(len(c.req.prompt_token_ids) for c in choices)):
         async with Generation(gw, meta.id, choices, job.arrived_at) as gen:

@@ -19,6 +19,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfo
 from services.gateway.openai_schema import ApiError
 from services.gateway.replies import ReplyRouter
+from shared.engine.structured import Grammars
 from shared.settings import GatewayServiceSettings, GatewaySettings
 from shared.streams import Bus
 from shared.text.tokenizer import Tokenizer
@@ -39,6 +40,15 @@ class Gateway:
     metrics: GatewayMetrics
     reader: asyncio.Task[None] | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _grammars: Grammars | None = None
+
+    def grammars(self) -> Grammars:
+        """The grammar compiler, built on first use (about half a second): requests without a
+        constraint never need it. Call it off the event loop."""
+        if self._grammars is None:
+            tokenizer = self.tokenizer
+            self._grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        return self._grammars
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` to its end even if the handler that started it is cancelled (client gone)."""

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from shared.engine.constraint import StructuredSpec
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_N = 16
@@ -36,7 +37,7 @@ LOGPROB_FLOOR = -9999.0
 SSE_DONE = b"data: [DONE]\n\n"
 _MAX_SHOWN_INPUT = 80
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 RequestT = TypeVar("RequestT", bound="_GenerationRequest")
 
 
@@ -154,6 +155,13 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     logit_bias: dict[str, Any] | None = None
+    # output constraints as vLLM takes them (services/gateway/structured.py reads and checks them)
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -249,6 +257,7 @@ class ChatMessage(BaseModel):
     content: StrictStr | None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
 
     @field_validator("content", mode="before")
     @classmethod
@@ -259,10 +268,11 @@ class ChatMessage(BaseModel):
             return content
         return "\n".join(_text_of_part(part) for part in content)
 
-    def to_template(self) -> dict[str, str]:
+    def to_template(self) -> dict[str, Any]:
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
-        extras = {"name": self.name, "tool_call_id": self.tool_call_id}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.content or ""}
+        extras = {"name": self.name, "tool_call_id": self.tool_call_id, "tool_calls": self.tool_calls}
         return message | {key: value for key, value in extras.items() if value is not None}
 
 
@@ -281,8 +291,10 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # services/gateway/tools.py reads and checks these
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @field_validator("messages")
     @classmethod
@@ -298,21 +310,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools are not supported")
-        return tools
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-        if response_format is not None and response_format.get("type") != "text":
-            raise ValueError(f"response_format {_show(response_format.get('type'))} is not supported; only 'text' is")
-        return response_format
-
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template() for message in self.messages]
 
 
@@ -353,9 +351,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-def to_sampling_params(req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
-    """The engine's view of `req`; out-of-range values raise ApiError (400) naming the request field."""
-    kwargs = req._sampling_kwargs()
+def to_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int, structured: StructuredSpec | None = None
+) -> SamplingParams:
+    """The engine's view of `req`; out-of-range values raise ApiError (400) naming the request field.
+    `structured`: the output constraint services.gateway.structured or .tools derived from it."""
+    kwargs = req._sampling_kwargs() | {"structured": structured}
     max_tokens_field = "max_tokens"
     if isinstance(req, ChatCompletionRequest):
         if req.max_completion_tokens is not None:
@@ -423,6 +424,7 @@ class Choice:
     text: str
     finish_reason: FinishReason
     logprobs: list[PositionLogprobs] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # when set, the text was the calls'
 
 
 def token_text(token_bytes: bytes) -> str:
@@ -491,7 +493,8 @@ def chat_completion_body(meta: ResponseMeta, choices: list[Choice], usage: Usage
     built = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", "content": c.text} if c.tool_calls is None
+            else {"role": "assistant", "content": None, "tool_calls": c.tool_calls},
             "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
             "finish_reason": c.finish_reason,
         }
@@ -520,7 +523,7 @@ def chat_first_chunk(
 ) -> dict[str, Any]:
     """A chat choice's first chunk: it names the role and carries the choice's first text. It goes out with
     the first token, never before: benchmark clients take the first chunk as the time to first token."""
-    return _chat_chunk(meta, index, {"role": "assistant", "content": content}, finish_reason, logprobs)
+    return chat_chunk(meta, index, {"role": "assistant", "content": content}, finish_reason, logprobs)
 
 
 def chat_delta_chunk(
@@ -532,10 +535,10 @@ def chat_delta_chunk(
 ) -> dict[str, Any]:
     """New content for a chat choice; the last one carries `finish_reason` (content may be None)."""
     delta = {} if content is None else {"content": content}
-    return _chat_chunk(meta, index, delta, finish_reason, logprobs)
+    return chat_chunk(meta, index, delta, finish_reason, logprobs)
 
 
-def _chat_chunk(
+def chat_chunk(
     meta: ResponseMeta,
     index: int,
     delta: dict[str, Any],

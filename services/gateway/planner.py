@@ -16,6 +16,7 @@ from services.gateway.openai_schema import (
     check_context_length,
     to_sampling_params,
 )
+from shared.engine.constraint import StructuredSpec
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol import TokenUpdate
 
@@ -39,14 +40,15 @@ class PlannedChoice:
 
 
 def plan_choices(
-    api_req: ApiRequest, prompts: list[list[int]], limits: PromptLimits, deadline: float
+    api_req: ApiRequest, prompts: list[list[int]], limits: PromptLimits, deadline: float,
+    structured: StructuredSpec | None = None,
 ) -> list[PlannedChoice]:
     """Every choice of the response, in index order; raises ApiError (400) when one cannot fit the context."""
     replies: asyncio.Queue[TokenUpdate] = asyncio.Queue()
     num_samples = api_req.num_choices
     choices = []
     for prompt_index, prompt_token_ids in enumerate(prompts):
-        params = sampling_params_for(api_req, len(prompt_token_ids), limits)
+        params = sampling_params_for(api_req, len(prompt_token_ids), limits, structured)
         for sample_index in range(num_samples):
             req = InflightRequest(
                 req_id=uuid.uuid4().hex, prompt_token_ids=prompt_token_ids, params=params,
@@ -56,10 +58,12 @@ def plan_choices(
     return choices
 
 
-def sampling_params_for(api_req: ApiRequest, num_prompt_tokens: int, limits: PromptLimits) -> SamplingParams:
+def sampling_params_for(
+    api_req: ApiRequest, num_prompt_tokens: int, limits: PromptLimits, structured: StructuredSpec | None = None
+) -> SamplingParams:
     room = limits.max_model_len - num_prompt_tokens
     default = room if limits.default_max_tokens is None else min(limits.default_max_tokens, room)
-    params = to_sampling_params(api_req, max(1, default))
+    params = to_sampling_params(api_req, max(1, default), structured)
     check_context_length(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.param)
     return params
 

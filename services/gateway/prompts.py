@@ -4,6 +4,7 @@ stall the event loop that streams everyone else's tokens."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from services.gateway.openai_schema import ApiError, check_token_ids
 from shared.text.tokenizer import ChatTemplateError, Tokenizer
@@ -33,10 +34,11 @@ async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool 
 
 
 async def encode_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The messages rendered by the model's chat template, as token ids."""
+    """The messages rendered by the model's chat template (with `tools` where it knows them), as token ids."""
     try:
-        return await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt)
+        return await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
     except ChatTemplateError as e:
         raise ApiError(400, str(e), param="messages") from e

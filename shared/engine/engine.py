@@ -18,10 +18,12 @@ from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.structured import GrammarMatcher, Grammars
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
 from shared.model.runner import PHASE_SCHEDULE, PHASE_UPDATE, ModelRunner, kv_block_bytes
 from shared.settings import EngineSettings
+from shared.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +149,7 @@ class Engine:
         self._requests: dict[ReqId, Request] = {}
         self._importing: dict[ReqId, Request] = {}
         self._rng = random.Random()
+        self._grammars: Grammars | None = None  # loaded with the first constrained request
         self.num_steps = 0
 
     @property
@@ -189,6 +192,7 @@ class Engine:
             max_model_len=self.max_model_len,
             stop_after_prefill=stop_after_prefill,
             output_token_ids=output_token_ids,
+            grammar=self._grammar_for(params, output_token_ids),
         )
         self._requests[req.req_id] = req
         self.scheduler.add(req)
@@ -209,6 +213,15 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _grammar_for(self, params: SamplingParams, output_token_ids: list[int]) -> GrammarMatcher | None:
+        """The request's grammar state after the output it already has; raises GrammarError."""
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            tokenizer = Tokenizer.from_path(str(self.model_path), self.settings.model.disk_cache)
+            self._grammars = Grammars(tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(params.structured, output_token_ids)
 
     def abort_request(self, req_id: str) -> bool:
         """Cancel a request anywhere in the engine and free its blocks now; False if unknown."""
@@ -340,6 +353,7 @@ class Engine:
             output_logprobs=list(handoff.output_logprobs),
             output_top_logprobs=list(handoff.output_top_logprobs),
             num_cached_tokens=handoff.num_cached_tokens,
+            grammar=self._grammar_for(handoff.params, handoff.output_token_ids),
         )
         num_kv_tokens = req.num_tokens - 1  # the last sampled token's KV is computed here, on the next step
         cached = self.kv_cache.find_cached_prefix(req)[: num_kv_tokens // self.block_size]

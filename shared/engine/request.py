@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.structured import GrammarMatcher
 
 ReqId = NewType("ReqId", str)
 
@@ -46,6 +49,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    grammar: GrammarMatcher | None = None  # where params.structured is set: has accepted every output token
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -74,6 +78,8 @@ class Request:
     def append_output(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
         if top is not None:
@@ -82,6 +88,8 @@ class Request:
     def stop_status(self) -> RequestStatus | None:
         """Why the request must stop after its last sampled token, if it must."""
         last = self.output_token_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # even under ignore_eos: nothing may follow
         if self.num_output_tokens > self.params.min_tokens:
             if last in self.params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

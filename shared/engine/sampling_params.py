@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared.engine.constraint import StructuredSpec
+
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 
@@ -24,7 +26,8 @@ class SamplingParams:
     `temperature == 0` means greedy. `top_k is None` and `top_p == 1` disable those filters.
     A `seed` makes the request's tokens independent of whatever else shares its batch.
     `stop` strings are matched on detokenised text by whoever detokenises (gateway or
-    offline API); the engine itself stops on token ids only.
+    offline API); the engine itself stops on token ids only. `structured` constrains the output
+    to a JSON schema, a regex, a choice or a grammar (shared/engine/constraint.py).
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +75,9 @@ class SamplingParams:
              f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(self.stop)}"),
             (all(s for s in self.stop), "stop", "stop sequences must be non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative"),
+            # the grammar may need an end-of-sequence token where min_tokens bans it
+            (self.structured is None or self.min_tokens == 0, "min_tokens",
+             "min_tokens cannot be combined with a structured output constraint"),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -81,4 +88,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        structured = data.get("structured")
+        if isinstance(structured, dict):
+            data = data | {"structured": StructuredSpec.from_dict(structured)}
         return cls(**data)

@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from kernels import cpu_attention, cpu_layer_ops
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
+from shared.engine.structured import token_masks
 from shared.model.config import ModelConfig
 from shared.model.cuda_graphs import DecodeGraphs
 from shared.model.llama import AttentionMetadata, LlamaModel
@@ -95,9 +96,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
         with record_function(PHASE_SAMPLE):
             rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
-            sampling = build_sampling_batch(
-                rows, sampling_reqs[0].eos_token_ids, self.model.config.vocab_size, self.device
-            )
+            vocab_size = self.model.config.vocab_size
+            masks = token_masks([r.grammar for r in sampling_reqs], vocab_size)
+            sampling = build_sampling_batch(rows, sampling_reqs[0].eos_token_ids, vocab_size, self.device, masks)
             out = self.sampler(logits, sampling)
         return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 

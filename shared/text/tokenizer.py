@@ -127,20 +127,33 @@ class Tokenizer:
             return bytes([int(match.group(1), 16)])
         return token.replace("\u2581", " ").encode()
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages`, as text."""
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders function definitions passed as `tools`."""
+        return bool(self.chat_template) and "tools" in str(self.chat_template)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template applied to `messages` (and `tools`, for a template that knows them), as text."""
         if not self.chat_template:
             raise ChatTemplateError(f"model {self.name} has no chat template")
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = self._hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+            )
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             raise ChatTemplateError(f"chat template rejected the messages: {exc}") from exc
         assert isinstance(text, str)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat; the template writes its own special tokens."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def _standalone_backend(hf: PreTrainedTokenizerBase) -> FastTokenizer:

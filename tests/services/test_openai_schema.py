@@ -277,9 +277,6 @@ def test_chat_logprobs_map_to_top_count(fields: dict[str, Any], expected: int | 
          "Invalid value for 'top_logprobs': Input should be less than or equal to 20, got 21"),
         ({"logprobs": 2}, "logprobs", "Invalid value for 'logprobs': Input should be a valid boolean, got 2"),
         ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be at least 1, got 0"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools are not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format",
-         "response_format \"json_object\" is not supported; only 'text' is"),
     ],
 )  # fmt: skip
 def test_chat_validation_errors_name_field_and_value(fields: dict[str, Any], param: str, message: str) -> None:
