@@ -96,7 +96,7 @@ def streamed(plan: ToolPlan, text: str, piece: int, reason: str = "stop") -> lis
     fmt = ToolChatFormat(plan)
     pieces = [text[i : i + piece] for i in range(0, len(text), piece)]
     return [
-        fmt.chunk(META, ChoiceDelta(0, p, None, reason if i == len(pieces) - 1 else None, 0))["choices"][0]
+        fmt.chunk(META, ChoiceDelta(0, p, None, reason if i == len(pieces) - 1 else None, 0, i == 0))["choices"][0]
         for i, p in enumerate(pieces)
     ]
 
@@ -110,6 +110,7 @@ def test_streamed_arguments_join_to_the_whole_answers_arguments(piece: int) -> N
     assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
     assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris {x}"}'
     assert choices[-1]["finish_reason"] == "tool_calls" and not any("content" in c["delta"] for c in choices)
+    assert [c["delta"].get("role") for c in choices] == ["assistant"] + [None] * (len(choices) - 1)
     body = ToolChatFormat(plan).body(META, [Choice(0, text, "stop")], Usage(1, 1))
     [call] = body["choices"][0]["message"]["tool_calls"]
     assert call["function"]["arguments"] == '{"city": "Paris {x}"}' and body["choices"][0]["finish_reason"] == "tool_calls"
