@@ -6,6 +6,7 @@ import torch
 
 from kernels import _triton
 from kernels._triton import jit, tl
+from kernels.kv_quant import KVFormat, to_cache, unscaled_format
 
 
 @jit
@@ -32,7 +33,8 @@ def _write_kv_cache_kernel(
 
 
 def check_kv_cache_args(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_format: KVFormat,
 ) -> None:
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
@@ -44,12 +46,15 @@ def check_kv_cache_args(
             "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.shape[2:] != key.shape[1:]:
-        raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} do not match key {tuple(key.shape[1:])}")
-    if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(
-            f"key/value/k_cache/v_cache dtypes differ: {key.dtype}, {value.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
+    row = (key.shape[1], kv_format.row_elements(key.shape[2]))
+    if tuple(k_cache.shape[2:]) != row:
+        raise ValueError(f"cache heads/row {tuple(k_cache.shape[2:])} do not match key {tuple(key.shape[1:])} "
+                         f"in {kv_format.name} (rows of {row[1]})")
+    if key.dtype != value.dtype:
+        raise ValueError(f"key/value dtypes differ: {key.dtype}, {value.dtype}")
+    if not k_cache.dtype == v_cache.dtype == kv_format.storage_dtype:
+        raise ValueError(f"a {kv_format.name} cache is stored as {kv_format.storage_dtype}, got k_cache "
+                         f"{k_cache.dtype} and v_cache {v_cache.dtype}")
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype != torch.int64:
         raise ValueError(
             f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
@@ -57,19 +62,23 @@ def check_kv_cache_args(
 
 
 def write_kv_cache_ref(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_format: KVFormat | None = None,
 ) -> None:
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     block_size = k_cache.shape[1]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    k_cache[block_ids, offsets] = key
-    v_cache[block_ids, offsets] = value
+    k_cache[block_ids, offsets] = to_cache(key, kv_format)
+    v_cache[block_ids, offsets] = to_cache(value, kv_format)
 
 
 def write_kv_cache_triton(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_format: KVFormat | None = None,
 ) -> None:
-    check_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
+    check_kv_cache_args(key, value, k_cache, v_cache, slot_mapping, kv_format)
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
@@ -89,20 +98,23 @@ def write_kv_cache_triton(
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_format: KVFormat | None = None,
 ) -> None:
-    """Store key/value [num_tokens, num_kv_heads, head_dim] at `slot_mapping` in place.
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at `slot_mapping` in place, in
+    `kv_format` (default: plain values in the cache's dtype; see `kernels.kv_quant`).
 
     Slot s is offset s % block_size of block s // block_size. Slots must be distinct and in
     range; the range is checked on CPU only, since on CUDA it would cost a device sync.
     """
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     if key.is_cuda:
-        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping, kv_format)
         return
-    check_kv_cache_args(key, value, k_cache, v_cache, slot_mapping)
+    check_kv_cache_args(key, value, k_cache, v_cache, slot_mapping, kv_format)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel():
         low, high = int(slot_mapping.min()), int(slot_mapping.max())
         if low < 0 or high >= num_slots:
             raise ValueError(f"slot_mapping values must lie in [0, {num_slots}), got min {low} max {high}")
-    write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, kv_format)

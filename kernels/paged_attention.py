@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels import _triton, cpu_attention
 from kernels._triton import jit, tl
+from kernels.kv_quant import KVFormat, from_cache, unscaled_format
 
 # Split-K decode: one program per (request, kv head, partition of the context) so that a
 # few long requests still occupy every SM; a second kernel merges the partitions.
@@ -185,7 +186,7 @@ def _extend_kernel(
 
 def _check_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, kv_format: KVFormat,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
@@ -196,12 +197,15 @@ def _check_args(
         )
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if k_cache.shape[3] != kv_format.row_elements(head_dim):
+        raise ValueError(f"cache rows of {k_cache.shape[3]} do not hold q's head_dim {head_dim} in {kv_format.name}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"q/k_cache/v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if not k_cache.dtype == v_cache.dtype == kv_format.storage_dtype:
+        raise ValueError(f"a {kv_format.name} cache is stored as {kv_format.storage_dtype}, got k_cache "
+                         f"{k_cache.dtype} and v_cache {v_cache.dtype}")
     num_reqs = seq_lens.shape[0]
     for name, t, shape in (
         ("seq_lens", seq_lens, (num_reqs,)),
@@ -216,19 +220,22 @@ def _check_args(
         raise ValueError(f"a decode batch (max_query_len 1) needs one query per request: {num_tokens} != {num_reqs}")
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Copy the first `num_keys` tokens of each row's blocks: [rows, num_kv_heads, num_keys, head_dim]."""
-    num_rows, (_, block_size, num_kv_heads, head_dim) = block_tables.shape[0], cache.shape
+def _gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int, kv_format: KVFormat, dtype: torch.dtype
+) -> torch.Tensor:
+    """Copy the first `num_keys` tokens of each row's blocks as values in `dtype` (a cache in
+    another format widened): [rows, num_kv_heads, num_keys, head_dim]."""
+    num_rows, (_, block_size, num_kv_heads, row) = block_tables.shape[0], cache.shape
     num_blocks = _triton.cdiv(num_keys, block_size)
     # index_select, not cache[table]: advanced indexing costs time in proportion to the whole cache
     kv = cache.index_select(0, block_tables[:, :num_blocks].reshape(-1))  # [rows * num_blocks, block_size, ...]
-    kv = kv.view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
-    return kv[:, :num_keys].transpose(1, 2)
+    kv = kv.view(num_rows, num_blocks * block_size, num_kv_heads, row)
+    return from_cache(kv[:, :num_keys], kv_format, dtype).transpose(1, 2)
 
 
 def _decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, kv_format: KVFormat,
 ) -> torch.Tensor:
     max_len = int(seq_lens.max())
     block_size = k_cache.shape[1]
@@ -237,8 +244,8 @@ def _decode_ref(
     blocks_used = (seq_lens + block_size - 1) // block_size  # [num_reqs]
     block_in_use = torch.arange(num_blocks, device=q.device)[None, :] < blocks_used[:, None]
     table = torch.where(block_in_use, block_tables[:, :num_blocks], 0)
-    k = _gather_kv(k_cache, table, max_len)  # [num_reqs, num_kv_heads, max_len, head_dim]
-    v = _gather_kv(v_cache, table, max_len)
+    k = _gather_kv(k_cache, table, max_len, kv_format, q.dtype)  # [num_reqs, num_kv_heads, max_len, head_dim]
+    v = _gather_kv(v_cache, table, max_len, kv_format, q.dtype)
     query = q[:, :, None, :]  # [num_reqs, num_heads, 1, head_dim]
     gqa = q.shape[1] != k_cache.shape[2]
     if int(seq_lens.min()) == max_len:
@@ -254,7 +261,7 @@ def _decode_ref(
 
 def _extend_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, kv_format: KVFormat,
     out: torch.Tensor | None = None, min_query_len: int = 1,
 ) -> torch.Tensor:
     """Each request with at least `min_query_len` queries, one at a time, into `out` (new if None)."""
@@ -266,8 +273,8 @@ def _extend_ref(
         q_len = q_end - q_start
         if q_len < max(min_query_len, 1):
             continue
-        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # [1, num_kv_heads, seq_len, head_dim]
-        v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len)
+        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len, kv_format, q.dtype)  # [1, kv_heads, seq_len, head_dim]
+        v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len, kv_format, q.dtype)
         query = q[q_start:q_end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         if q_len == 1 or q_len == seq_len:
             # HF's calls for a decode step and a fresh prompt, so those match it bit for bit
@@ -285,12 +292,15 @@ def _extend_ref(
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
+    """The cache widened to q's dtype (`kernels.kv_quant.from_cache`), then SDPA."""
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if max_query_len == 1:
-        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_format)
+    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_format)
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
@@ -366,9 +376,12 @@ def _extend_triton(
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    partition_size: int = PARTITION_SIZE,
+    kv_format: KVFormat | None = None, partition_size: int = PARTITION_SIZE,
 ) -> torch.Tensor:
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, kv_format)
+    if kv_format.dtype != q.dtype:
+        raise ValueError(f"the Triton attention kernels read a cache in q's dtype ({q.dtype}), not {kv_format.name}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
@@ -387,6 +400,7 @@ def paged_attention_triton(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries q [num_tokens, num_heads, head_dim] over a paged cache.
 
@@ -403,11 +417,16 @@ def paged_attention(
     prompts, and to float rounding elsewhere (padding changes SDPA's vector tails). The C
     kernel agrees with it to float rounding in float32 (about 1e-6); in bfloat16 it keeps
     float32 until it rounds the output, so it is within one bf16 ulp of the float32 result.
+
+    `kv_format` (`kernels.kv_quant`) says how the cache stores its values; by default as plain
+    values of the cache's dtype. Every path widens it as it reads: the reference to q's dtype
+    before SDPA, the kernels to float32.
     """
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, kv_format)
     if q.is_cuda:
         return paged_attention_triton(*args)
-    _check_args(*args[:-1])
+    _check_args(*args[:-2], kv_format)
     if q.shape[0] and cpu_attention.supports(q, k_cache):
         return paged_attention_cpu(*args)
     return paged_attention_ref(*args)
@@ -416,22 +435,27 @@ def paged_attention(
 def paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """On the CPU: one-query (decode) requests run the decode kernel, longer ones (prefill
     chunks) the prefill kernel, both reading the cache in place; the reference where the
     prefill kernel is not built."""
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     if max_query_len == 1:
-        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_format)
     out = torch.empty_like(q)
     query_lens = query_start_loc.diff()
     decoding = (query_lens == 1).nonzero().squeeze(1)
     if decoding.numel():
         rows = query_start_loc[decoding].long()
         out[rows] = cpu_attention.paged_decode_attention(
-            q[rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale
+            q[rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale, kv_format
         )
     if cpu_attention.prefill_supported(q, k_cache):
         return cpu_attention.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, min_query_len=2
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, min_query_len=2,
+            kv_format=kv_format,
         )
-    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, min_query_len=2)
+    return _extend_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_format, out=out, min_query_len=2
+    )
