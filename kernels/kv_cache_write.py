@@ -6,7 +6,7 @@ import torch
 
 from kernels import _triton
 from kernels._triton import jit, tl
-from kernels.kv_quant import KVFormat, to_cache, unscaled_format
+from kernels.kv_quant import KVFormat, to_cache, triton_constants, triton_store_rows, unscaled_format
 
 
 @jit
@@ -16,6 +16,8 @@ def _write_kv_cache_kernel(
     stride_key_t, stride_key_h, stride_value_t, stride_value_h,
     stride_kc_b, stride_kc_t, stride_kc_h, stride_vc_b, stride_vc_t, stride_vc_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCALED: tl.constexpr, KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr,
+    KV_SUB_STEP: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -23,13 +25,17 @@ def _write_kv_cache_kernel(
     offset = slot % block_size
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
-    key = tl.load(key_ptr + token * stride_key_t + offs_h[:, None] * stride_key_h + offs_d[None, :], mask=mask)
-    value = tl.load(value_ptr + token * stride_value_t + offs_h[:, None] * stride_value_h + offs_d[None, :], mask=mask)
-    k_dst = block_id * stride_kc_b + offset * stride_kc_t + offs_h[:, None] * stride_kc_h + offs_d[None, :]
-    v_dst = block_id * stride_vc_b + offset * stride_vc_t + offs_h[:, None] * stride_vc_h + offs_d[None, :]
-    tl.store(k_cache_ptr + k_dst, key, mask=mask)
-    tl.store(v_cache_ptr + v_dst, value, mask=mask)
+    h_mask = offs_h < NUM_KV_HEADS
+    mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    key = tl.load(key_ptr + token * stride_key_t + offs_h[:, None] * stride_key_h + offs_d[None, :], mask=mask,
+                  other=0.0)
+    value = tl.load(value_ptr + token * stride_value_t + offs_h[:, None] * stride_value_h + offs_d[None, :],
+                    mask=mask, other=0.0)
+    k_rows = block_id * stride_kc_b + offset * stride_kc_t + offs_h * stride_kc_h  # [BLOCK_H]
+    v_rows = block_id * stride_vc_b + offset * stride_vc_t + offs_h * stride_vc_h
+    triton_store_rows(k_cache_ptr, k_rows, key, offs_d, mask, h_mask, HEAD_DIM, SCALED, KV, KV_MAX, KV_MANT, KV_BIAS)
+    triton_store_rows(v_cache_ptr, v_rows, value, offs_d, mask, h_mask, HEAD_DIM, SCALED, KV, KV_MAX, KV_MANT,
+                      KV_BIAS)
 
 
 def check_kv_cache_args(
@@ -94,6 +100,7 @@ def write_kv_cache_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=_triton.next_power_of_2(num_kv_heads), BLOCK_D=_triton.next_power_of_2(head_dim),
+        **triton_constants(kv_format),
     )
 
 

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import _triton
+from kernels._triton import tl
+
 SCALE_BYTES = 4  # one float32 per row
 
 
@@ -96,6 +99,79 @@ def dequantize(rows: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.T
     codes = rows[..., :head_dim].contiguous().view(fmt.dtype).float()
     scale = rows[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
     return (codes * scale).to(dtype)
+
+
+def triton_constants(fmt: KVFormat) -> dict[str, object]:
+    """What the Triton kernels take of a format, as constexprs: its code (KV), whether it is
+    scaled, and the fp8 codes' mantissa bits, exponent bias and smallest subnormal step."""
+    mant, bias = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}.get(fmt.name, (0, 0))
+    return {"KV": fmt.code, "SCALED": fmt.is_scaled, "KV_MAX": fmt.max_value or 0.0, "KV_MANT": mant,
+            "KV_BIAS": bias, "KV_SUB_STEP": 2.0 ** (1 - bias - mant)}
+
+
+@_triton.jit
+def _round_to_integer(x):
+    """Small float32 x rounded to the nearest integer, ties to even, as torch rounds. (Adding
+    and taking away 2**23 would do it in float32, but Triton's interpreter computes that sum in
+    float64.)"""
+    up = tl.floor(x + 0.5)
+    return tl.where((up - x == 0.5) & ((up.to(tl.int32) & 1) == 1), up - 1.0, up)
+
+
+@_triton.jit
+def triton_encode(x, KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr):
+    """Float32 values already divided by their row's scale -> int32 codes (0 .. 255) of an 8-bit
+    format (see triton_constants), rounded to nearest even as torch converts: the value's count
+    of steps of its binade (the lowest binade's step below it), which is the code once the
+    binade's exponent is added."""
+    x = tl.minimum(tl.maximum(x, -KV_MAX), KV_MAX)
+    if KV == 5:
+        return _round_to_integer(x).to(tl.int32) & 0xFF
+    a = tl.abs(x)
+    binade = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, 1 - KV_BIAS)
+    step = ((binade - KV_MANT + 127) << 23).to(tl.float32, bitcast=True)
+    steps = _round_to_integer(a / step).to(tl.int32)
+    sign = tl.where(x < 0, 0x80, 0)
+    return (((binade + KV_BIAS - 1) << KV_MANT) + steps) | sign
+
+
+@_triton.jit
+def triton_decode(codes, KV: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr, KV_SUB_STEP: tl.constexpr):
+    """int32 codes (0 .. 255) of an 8-bit format -> float32, before the row's scale."""
+    if KV == 5:
+        return tl.where(codes > 127, codes - 256, codes).to(tl.float32)
+    magnitude = codes & 0x7F
+    normal = ((magnitude << (23 - KV_MANT)) + ((127 - KV_BIAS) << 23)).to(tl.float32, bitcast=True)
+    value = tl.where((magnitude >> KV_MANT) == 0, magnitude.to(tl.float32) * KV_SUB_STEP, normal)
+    return tl.where(codes >= 0x80, -value, value)
+
+
+@_triton.jit
+def triton_store_rows(ptr, rows, x, offs_d, mask, row_mask, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr,
+                      KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr):
+    """Rows x [N, D] (masked entries 0) stored at element offsets `rows` [N] of a cache, as
+    `quantize` / `to_cache` store them."""
+    if SCALED:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax / KV_MAX, 1.0)
+        codes = triton_encode(x / scale[:, None], KV, KV_MAX, KV_MANT, KV_BIAS)
+        tl.store(ptr + rows[:, None] + offs_d[None, :], codes.to(tl.uint8), mask=mask)
+        tl.store((ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=row_mask)
+    else:
+        tl.store(ptr + rows[:, None] + offs_d[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@_triton.jit
+def triton_load_rows(ptr, rows, offs_d, mask, row_mask, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr,
+                     KV: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr, KV_SUB_STEP: tl.constexpr):
+    """Cache rows starting at element offsets `rows` [N], dims offs_d [D], as float32 [N, D]
+    (8-bit codes times their row's scale); masked entries read 0."""
+    if SCALED:
+        codes = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0).to(tl.int32)
+        scale = tl.load((ptr + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=row_mask, other=0.0)
+        return triton_decode(codes, KV, KV_MANT, KV_BIAS, KV_SUB_STEP) * scale[:, None]
+    return tl.load(ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 def to_cache(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels import _triton, cpu_attention
 from kernels._triton import jit, tl
-from kernels.kv_quant import KVFormat, from_cache, unscaled_format
+from kernels.kv_quant import KVFormat, from_cache, triton_constants, triton_load_rows, unscaled_format
 
 # Split-K decode: one program per (request, kv head, partition of the context) so that a
 # few long requests still occupy every SM; a second kernel merges the partitions.
@@ -29,6 +29,18 @@ PARTITION_SIZE = 512
 # Longer contexts get longer partitions rather than a partials buffer that grows with them.
 MAX_PARTITIONS = 64
 _LOG2E = 1.4426950408889634
+
+
+@jit
+def _load_kv(cache_ptr, rows, offs_d, mask, row_mask, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr,
+             SCALED: tl.constexpr, KV: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr,
+             KV_SUB_STEP: tl.constexpr):
+    """Keys or values at cache element offsets `rows` [N]: as stored where the cache holds q's
+    dtype, else widened to float32 (kernels/kv_quant.py)."""
+    if WIDEN:
+        return triton_load_rows(cache_ptr, rows, offs_d, mask, row_mask, HEAD_DIM, SCALED, KV, KV_MANT, KV_BIAS,
+                                KV_SUB_STEP)
+    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
 @jit
@@ -43,6 +55,8 @@ def _decode_partition_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr,
     STORE_STATS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr, SCALED: tl.constexpr, KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr,
+    KV_BIAS: tl.constexpr, KV_SUB_STEP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,6 +76,8 @@ def _decode_partition_kernel(
         q_ptr + req * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [BLOCK_G, BLOCK_D]
+    if WIDEN:  # a cache in another format is read as float32
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -73,7 +89,8 @@ def _decode_partition_kernel(
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         k_offs = block_ids * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h
-        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+        k = _load_kv(k_cache_ptr, k_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)  # [TILE_N, BLOCK_D]
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE_N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -82,7 +99,8 @@ def _decode_partition_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_offs = block_ids * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_kv(v_cache_ptr, v_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -132,6 +150,8 @@ def _extend_kernel(
     stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr, SCALED: tl.constexpr, KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr,
+    KV_BIAS: tl.constexpr, KV_SUB_STEP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -152,6 +172,8 @@ def _extend_kernel(
         q_ptr + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if WIDEN:  # a cache in another format is read as float32
+        q = q.to(tl.float32)
     q_pos = context_len + offs_m
     # the last query of this tile sees nothing past its own position
     kv_end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
@@ -166,7 +188,8 @@ def _extend_kernel(
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         k_offs = block_ids * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h
-        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = _load_kv(k_cache_ptr, k_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         # key 0 is visible to every row, so no row is all -inf after the first tile
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -176,7 +199,8 @@ def _extend_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_offs = block_ids * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_kv(v_cache_ptr, v_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -312,9 +336,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _format_meta(q: torch.Tensor, kv_format: KVFormat) -> dict[str, object]:
+    return {"WIDEN": kv_format.dtype != q.dtype, **triton_constants(kv_format)}
+
+
 def _decode_triton(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, partition_size: int,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, partition_size: int, kv_format: KVFormat,
 ) -> None:
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -326,7 +354,7 @@ def _decode_triton(
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim,
         BLOCK_G=max(16, _triton.next_power_of_2(queries_per_kv)), BLOCK_D=max(16, _triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE_N=64, PARTITION=partition, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **_format_meta(q, kv_format),
     )
     grid = (num_reqs, num_kv_heads, num_parts)
     common = (q, k_cache, v_cache, block_tables, seq_lens, scale * _LOG2E)
@@ -355,7 +383,7 @@ def _decode_triton(
 
 def _extend_triton(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float, kv_format: KVFormat,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_reqs = seq_lens.shape[0]
@@ -369,7 +397,7 @@ def _extend_triton(
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=8 if block_m == 128 else 4, num_stages=2,
+        num_warps=8 if block_m == 128 else 4, num_stages=2, **_format_meta(q, kv_format),
     )
 
 
@@ -380,8 +408,6 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     kv_format = kv_format or unscaled_format(k_cache.dtype)
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, kv_format)
-    if kv_format.dtype != q.dtype:
-        raise ValueError(f"the Triton attention kernels read a cache in q's dtype ({q.dtype}), not {kv_format.name}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
@@ -391,9 +417,10 @@ def paged_attention_triton(
     if q.shape[0] == 0:
         return out
     if max_query_len == 1:
-        _decode_triton(out, q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size)
+        _decode_triton(out, q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size, kv_format)
     else:
-        _extend_triton(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+        _extend_triton(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                       kv_format)
     return out
 
 

@@ -1,5 +1,6 @@
 """The KV cache formats (kernels/kv_quant.py): the round trip within each format's error bound,
-and every kernel that reads or writes the cache against its reference in each format."""
+and every kernel that reads or writes the cache (C, and Triton under the interpreter on the CPU)
+against its reference in each format."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from kernels import cpu_attention, cpu_layer_ops
-from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref, write_kv_cache_triton
 from kernels.kv_quant import FORMATS, SCALE_BYTES, KVFormat, dequantize, from_cache, kv_format, quantize, to_cache
-from kernels.paged_attention import paged_attention, paged_attention_cpu, paged_attention_ref
+from kernels.paged_attention import paged_attention, paged_attention_cpu, paged_attention_ref, paged_attention_triton
 from kernels.rotary import apply_rotary_ref
 from shared.model.rotary import cos_sin_cache
 from tests.kernels.c_kernels import require_built
@@ -24,6 +25,7 @@ PAIRS = [(torch.float32, f) for f in FORMATS.values()] + [(torch.bfloat16, f) fo
 # (seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size)
 DECODE = ([1, 15, 16, 17, 70], [1] * 5, 9, 3, 64, 16)
 EXTEND = ([1, 40, 77, 140], [1, 40, 30, 135], 6, 2, 64, 16)
+SPLIT_DECODE = ([1, 200, 65], [1] * 3, 6, 2, 64, 32)
 # float32 queries: kernel and reference read the same dequantised values and differ by summation
 # order; bf16 queries: the reference rounds the dequantised K/V to bf16, the kernel keeps float32
 TOLERANCES = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2.4e-2, "rtol": 2.4e-2}}
@@ -118,6 +120,38 @@ def test_c_attention_matches_the_reference_in_each_format(
     torch.testing.assert_close(paged_attention_cpu(*batch.args), ref, **TOLERANCES[model_dtype])
     # and the reference is attention over what the cache reads back as
     torch.testing.assert_close(ref.double(), dense_causal_attention(batch), **TOLERANCES[model_dtype])
+
+
+@pytest.mark.parametrize("model_dtype", MODEL_DTYPES)
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.name)
+def test_triton_cache_write_matches_the_reference_bit_for_bit(
+    fmt: KVFormat, model_dtype: torch.dtype, triton_device: str
+) -> None:
+    gen = torch.Generator().manual_seed(2)
+    key = (torch.randn(7, 3, 64, generator=gen) * 5).to(model_dtype)
+    value = torch.randn(7, 3, 64, generator=gen).to(model_dtype)
+    key[2] = 0
+    key[4, 1, :3] = torch.tensor([1e-6, -2e-5, 3e-9])  # codes below the fp8 formats' normal range
+    slots = torch.tensor([0, 15, 16, 40, 3, 77, 90])
+    caches = [torch.zeros((6, 16, 3, fmt.row_elements(64)), dtype=fmt.storage_dtype) for _ in range(4)]
+    ours = [c.to(triton_device) for c in caches[:2]]
+    write_kv_cache_triton(key.to(triton_device), value.to(triton_device), *ours, slots.to(triton_device), fmt)
+    write_kv_cache_ref(key, value, caches[2], caches[3], slots, fmt)
+    for mine, ref in zip(ours, caches[2:]):
+        assert torch.equal(mine.cpu().view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", [SPLIT_DECODE, EXTEND], ids=["decode", "extend"])
+@pytest.mark.parametrize("pair", PAIRS, ids=_pair_id)
+def test_triton_attention_matches_the_reference_in_each_format(
+    pair: tuple[torch.dtype, KVFormat], case: tuple, triton_device: str
+) -> None:
+    model_dtype, fmt = pair
+    batch = in_kv_format(make_paged_batch(*case, dtype=model_dtype), fmt)
+    ref = paged_attention_ref(*batch.args)
+    on_device = in_kv_format(make_paged_batch(*case, dtype=model_dtype, device=triton_device), fmt)
+    out = paged_attention_triton(*on_device.args, partition_size=64)  # decode: split-K over several partitions
+    torch.testing.assert_close(out.cpu(), ref, **TOLERANCES[model_dtype])
 
 
 def test_kernels_say_which_paths_an_8_bit_cache_takes(cpu_kernel: None) -> None:
