@@ -6,7 +6,6 @@ worker that stores another dtype refuses the offer, and the client gets a clear 
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -20,7 +19,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.model.runner import kv_block_bytes
 from shared.settings import KVCacheSettings
-from tests.services.stacks import FAST_HEARTBEAT, live_workers, request_holders, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, HolderKiller, live_workers, running_stack, streamed_text
 from tests.services.test_fault_real import openai_client
 from tests.services.test_faults import assert_clean, until
 
@@ -54,20 +53,7 @@ def expected() -> str:
 
 
 def streamed(client: OpenAI, model: str, on_chunk: Callable[[int], None] = lambda n: None) -> str:
-    stream = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0.0, stream=True,
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-    )  # fmt: skip
-    text, num_chunks, usage = "", 0, None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            num_chunks += 1
-            on_chunk(num_chunks)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None and usage.completion_tokens == NUM_TOKENS
-    return text
+    return streamed_text(client, model, PROMPT, NUM_TOKENS, on_chunk, temperature=0.0)
 
 
 def test_the_8_bit_pool_holds_the_blocks_its_bytes_allow(stack: Stack, rds: redis.Redis,
@@ -82,20 +68,12 @@ def test_a_handed_off_and_a_migrated_request_finish_with_the_one_engine_text(
 ) -> None:
     assert streamed(client, model) == expected
     assert_clean(rds, stack.keys)
-    victims: list[str] = []
-
-    def kill_holder(num_chunks: int) -> None:
-        if num_chunks != 8 or victims:
-            return
-        holders = request_holders(rds, stack.keys, "decode")
-        assert len(holders) == 1, f"expected one decode worker holding the request, got {holders}"
-        victims.append(holders[0])  # a worker's id is its name in the stack
-        assert stack.stop_worker(holders[0], signal.SIGKILL) == -signal.SIGKILL
+    kill_holder = HolderKiller(stack, rds, "decode")
 
     # the gateway re-runs the prompt and the tokens already streamed through prefill, whose int8
     # blocks go to the surviving decode worker
     assert streamed(client, model, kill_holder) == expected
-    assert len(victims) == 1
+    assert len(kill_holder.victims) == 1
     assert_clean(rds, stack.keys)
 
 
