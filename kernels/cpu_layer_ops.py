@@ -16,6 +16,7 @@ import functools
 import torch
 
 from kernels.cpu_build import CSRC, load_functions
+from kernels.kv_quant import KVFormat
 
 SOURCE = CSRC / "layer_ops.c"
 # exact IEEE arithmetic: no fused multiply-adds, no reassociation, so the rotary embedding
@@ -39,7 +40,7 @@ _SIGNATURES = {
         _PTR, _INT64, _INT64, _INT64,  # k_cache, strides (block, token, head)
         _PTR, _INT64, _INT64, _INT64,  # v_cache
         _PTR, _INT64, _INT64,  # slot_mapping, slots in the cache, tokens
-        _INT32, _INT32, _INT32, _INT32, _INT32,  # heads, kv heads, head_dim, block_size, dtype code
+        _INT32, _INT32, _INT32, _INT32, _INT32, _INT32,  # heads, kv heads, head_dim, block_size, dtype, cache format
     ],
     "silu_and_mul": [_PTR, _INT64, _PTR, _INT64, _INT64, _INT32, _INT32],  # out, x (row strides), rows, I, dtype
 }
@@ -82,9 +83,10 @@ def rms_norm(
 
 def rotate_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_format: KVFormat,
 ) -> None:
-    """Rotate q and k in place, then store k and v at their slots; shapes as in `kernels.rotary`."""
+    """Rotate q and k in place, then store k and v at their slots in `kv_format`; shapes as in
+    `kernels.rotary`."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     failed = _lib().rotary_kv_write(
@@ -95,7 +97,7 @@ def rotate_and_write_kv(
         k_cache.data_ptr(), *k_cache.stride()[:3],
         v_cache.data_ptr(), *v_cache.stride()[:3],
         slot_mapping.data_ptr(), num_blocks * block_size, num_tokens,
-        num_heads, num_kv_heads, head_dim, block_size, DTYPE_CODES[q.dtype],
+        num_heads, num_kv_heads, head_dim, block_size, DTYPE_CODES[q.dtype], kv_format.code,
     )
     if failed:
         name = _OUT_OF_RANGE[failed]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels import _triton, cpu_attention
 from kernels._triton import jit, tl
+from kernels.kv_quant import KVFormat, from_cache, triton_constants, triton_load_rows, unscaled_format
 
 # Split-K decode: one program per (request, kv head, partition of the context) so that a
 # few long requests still occupy every SM; a second kernel merges the partitions.
@@ -28,6 +29,18 @@ PARTITION_SIZE = 512
 # Longer contexts get longer partitions rather than a partials buffer that grows with them.
 MAX_PARTITIONS = 64
 _LOG2E = 1.4426950408889634
+
+
+@jit
+def _load_kv(cache_ptr, rows, offs_d, mask, row_mask, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr,
+             SCALED: tl.constexpr, KV: tl.constexpr, KV_MANT: tl.constexpr, KV_BIAS: tl.constexpr,
+             KV_SUB_STEP: tl.constexpr):
+    """Keys or values at cache element offsets `rows` [N]: as stored where the cache holds q's
+    dtype, else widened to float32 (kernels/kv_quant.py)."""
+    if WIDEN:
+        return triton_load_rows(cache_ptr, rows, offs_d, mask, row_mask, HEAD_DIM, SCALED, KV, KV_MANT, KV_BIAS,
+                                KV_SUB_STEP)
+    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
 @jit
@@ -42,6 +55,8 @@ def _decode_partition_kernel(
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr,
     STORE_STATS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr, SCALED: tl.constexpr, KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr,
+    KV_BIAS: tl.constexpr, KV_SUB_STEP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -61,6 +76,8 @@ def _decode_partition_kernel(
         q_ptr + req * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [BLOCK_G, BLOCK_D]
+    if WIDEN:  # a cache in another format is read as float32
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -72,7 +89,8 @@ def _decode_partition_kernel(
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         k_offs = block_ids * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h
-        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, BLOCK_D]
+        k = _load_kv(k_cache_ptr, k_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)  # [TILE_N, BLOCK_D]
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, TILE_N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -81,7 +99,8 @@ def _decode_partition_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_offs = block_ids * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_kv(v_cache_ptr, v_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -131,6 +150,8 @@ def _extend_kernel(
     stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr, SCALED: tl.constexpr, KV: tl.constexpr, KV_MAX: tl.constexpr, KV_MANT: tl.constexpr,
+    KV_BIAS: tl.constexpr, KV_SUB_STEP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -151,6 +172,8 @@ def _extend_kernel(
         q_ptr + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if WIDEN:  # a cache in another format is read as float32
+        q = q.to(tl.float32)
     q_pos = context_len + offs_m
     # the last query of this tile sees nothing past its own position
     kv_end = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
@@ -165,7 +188,8 @@ def _extend_kernel(
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         k_offs = block_ids * stride_kc_b + in_block * stride_kc_t + kv_head * stride_kc_h
-        k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = _load_kv(k_cache_ptr, k_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         # key 0 is visible to every row, so no row is all -inf after the first tile
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -175,7 +199,8 @@ def _extend_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_offs = block_ids * stride_vc_b + in_block * stride_vc_t + kv_head * stride_vc_h
-        v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_kv(v_cache_ptr, v_offs, offs_d, kv_mask, n_mask, HEAD_DIM, WIDEN, SCALED, KV, KV_MANT, KV_BIAS,
+                     KV_SUB_STEP)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -185,7 +210,7 @@ def _extend_kernel(
 
 def _check_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, kv_format: KVFormat,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
@@ -196,12 +221,15 @@ def _check_args(
         )
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if k_cache.shape[3] != kv_format.row_elements(head_dim):
+        raise ValueError(f"cache rows of {k_cache.shape[3]} do not hold q's head_dim {head_dim} in {kv_format.name}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"q/k_cache/v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if not k_cache.dtype == v_cache.dtype == kv_format.storage_dtype:
+        raise ValueError(f"a {kv_format.name} cache is stored as {kv_format.storage_dtype}, got k_cache "
+                         f"{k_cache.dtype} and v_cache {v_cache.dtype}")
     num_reqs = seq_lens.shape[0]
     for name, t, shape in (
         ("seq_lens", seq_lens, (num_reqs,)),
@@ -216,19 +244,22 @@ def _check_args(
         raise ValueError(f"a decode batch (max_query_len 1) needs one query per request: {num_tokens} != {num_reqs}")
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Copy the first `num_keys` tokens of each row's blocks: [rows, num_kv_heads, num_keys, head_dim]."""
-    num_rows, (_, block_size, num_kv_heads, head_dim) = block_tables.shape[0], cache.shape
+def _gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int, kv_format: KVFormat, dtype: torch.dtype
+) -> torch.Tensor:
+    """Copy the first `num_keys` tokens of each row's blocks as values in `dtype` (a cache in
+    another format widened): [rows, num_kv_heads, num_keys, head_dim]."""
+    num_rows, (_, block_size, num_kv_heads, row) = block_tables.shape[0], cache.shape
     num_blocks = _triton.cdiv(num_keys, block_size)
     # index_select, not cache[table]: advanced indexing costs time in proportion to the whole cache
     kv = cache.index_select(0, block_tables[:, :num_blocks].reshape(-1))  # [rows * num_blocks, block_size, ...]
-    kv = kv.view(num_rows, num_blocks * block_size, num_kv_heads, head_dim)
-    return kv[:, :num_keys].transpose(1, 2)
+    kv = kv.view(num_rows, num_blocks * block_size, num_kv_heads, row)
+    return from_cache(kv[:, :num_keys], kv_format, dtype).transpose(1, 2)
 
 
 def _decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, kv_format: KVFormat,
 ) -> torch.Tensor:
     max_len = int(seq_lens.max())
     block_size = k_cache.shape[1]
@@ -237,8 +268,8 @@ def _decode_ref(
     blocks_used = (seq_lens + block_size - 1) // block_size  # [num_reqs]
     block_in_use = torch.arange(num_blocks, device=q.device)[None, :] < blocks_used[:, None]
     table = torch.where(block_in_use, block_tables[:, :num_blocks], 0)
-    k = _gather_kv(k_cache, table, max_len)  # [num_reqs, num_kv_heads, max_len, head_dim]
-    v = _gather_kv(v_cache, table, max_len)
+    k = _gather_kv(k_cache, table, max_len, kv_format, q.dtype)  # [num_reqs, num_kv_heads, max_len, head_dim]
+    v = _gather_kv(v_cache, table, max_len, kv_format, q.dtype)
     query = q[:, :, None, :]  # [num_reqs, num_heads, 1, head_dim]
     gqa = q.shape[1] != k_cache.shape[2]
     if int(seq_lens.min()) == max_len:
@@ -254,7 +285,7 @@ def _decode_ref(
 
 def _extend_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, kv_format: KVFormat,
     out: torch.Tensor | None = None, min_query_len: int = 1,
 ) -> torch.Tensor:
     """Each request with at least `min_query_len` queries, one at a time, into `out` (new if None)."""
@@ -266,8 +297,8 @@ def _extend_ref(
         q_len = q_end - q_start
         if q_len < max(min_query_len, 1):
             continue
-        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len)  # [1, num_kv_heads, seq_len, head_dim]
-        v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len)
+        k = _gather_kv(k_cache, block_tables[i : i + 1], seq_len, kv_format, q.dtype)  # [1, kv_heads, seq_len, head_dim]
+        v = _gather_kv(v_cache, block_tables[i : i + 1], seq_len, kv_format, q.dtype)
         query = q[q_start:q_end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         if q_len == 1 or q_len == seq_len:
             # HF's calls for a decode step and a fresh prompt, so those match it bit for bit
@@ -285,12 +316,15 @@ def _extend_ref(
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
+    """The cache widened to q's dtype (`kernels.kv_quant.from_cache`), then SDPA."""
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if max_query_len == 1:
-        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return _decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_format)
+    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_format)
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
@@ -302,9 +336,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _format_meta(q: torch.Tensor, kv_format: KVFormat) -> dict[str, object]:
+    return {"WIDEN": kv_format.dtype != q.dtype, **triton_constants(kv_format)}
+
+
 def _decode_triton(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, partition_size: int,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, partition_size: int, kv_format: KVFormat,
 ) -> None:
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -316,7 +354,7 @@ def _decode_triton(
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim,
         BLOCK_G=max(16, _triton.next_power_of_2(queries_per_kv)), BLOCK_D=max(16, _triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE_N=64, PARTITION=partition, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **_format_meta(q, kv_format),
     )
     grid = (num_reqs, num_kv_heads, num_parts)
     common = (q, k_cache, v_cache, block_tables, seq_lens, scale * _LOG2E)
@@ -345,7 +383,7 @@ def _decode_triton(
 
 def _extend_triton(
     out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float, kv_format: KVFormat,
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_reqs = seq_lens.shape[0]
@@ -359,16 +397,17 @@ def _extend_triton(
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=64, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=8 if block_m == 128 else 4, num_stages=2,
+        num_warps=8 if block_m == 128 else 4, num_stages=2, **_format_meta(q, kv_format),
     )
 
 
 def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    partition_size: int = PARTITION_SIZE,
+    kv_format: KVFormat | None = None, partition_size: int = PARTITION_SIZE,
 ) -> torch.Tensor:
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
+    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, kv_format)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
@@ -378,15 +417,17 @@ def paged_attention_triton(
     if q.shape[0] == 0:
         return out
     if max_query_len == 1:
-        _decode_triton(out, q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size)
+        _decode_triton(out, q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size, kv_format)
     else:
-        _extend_triton(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+        _extend_triton(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                       kv_format)
     return out
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries q [num_tokens, num_heads, head_dim] over a paged cache.
 
@@ -403,11 +444,16 @@ def paged_attention(
     prompts, and to float rounding elsewhere (padding changes SDPA's vector tails). The C
     kernel agrees with it to float rounding in float32 (about 1e-6); in bfloat16 it keeps
     float32 until it rounds the output, so it is within one bf16 ulp of the float32 result.
+
+    `kv_format` (`kernels.kv_quant`) says how the cache stores its values; by default as plain
+    values of the cache's dtype. Every path widens it as it reads: the reference to q's dtype
+    before SDPA, the kernels to float32.
     """
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, kv_format)
     if q.is_cuda:
         return paged_attention_triton(*args)
-    _check_args(*args[:-1])
+    _check_args(*args[:-2], kv_format)
     if q.shape[0] and cpu_attention.supports(q, k_cache):
         return paged_attention_cpu(*args)
     return paged_attention_ref(*args)
@@ -416,22 +462,27 @@ def paged_attention(
 def paged_attention_cpu(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """On the CPU: one-query (decode) requests run the decode kernel, longer ones (prefill
     chunks) the prefill kernel, both reading the cache in place; the reference where the
     prefill kernel is not built."""
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     if max_query_len == 1:
-        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_format)
     out = torch.empty_like(q)
     query_lens = query_start_loc.diff()
     decoding = (query_lens == 1).nonzero().squeeze(1)
     if decoding.numel():
         rows = query_start_loc[decoding].long()
         out[rows] = cpu_attention.paged_decode_attention(
-            q[rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale
+            q[rows], k_cache, v_cache, block_tables[decoding], seq_lens[decoding], scale, kv_format
         )
     if cpu_attention.prefill_supported(q, k_cache):
         return cpu_attention.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, min_query_len=2
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, min_query_len=2,
+            kv_format=kv_format,
         )
-    return _extend_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=out, min_query_len=2)
+    return _extend_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, kv_format, out=out, min_query_len=2
+    )

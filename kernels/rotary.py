@@ -7,6 +7,7 @@ import torch
 from kernels import _triton, cpu_layer_ops
 from kernels._triton import jit, tl
 from kernels.kv_cache_write import check_kv_cache_args, write_kv_cache
+from kernels.kv_quant import KVFormat, unscaled_format
 
 
 @jit
@@ -111,20 +112,22 @@ def apply_rotary(
 
 def rotate_and_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_format: KVFormat | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rotary(q, k, ...)`, then `write_kv_cache` of the rotated k and of v; returns the
-    rotated (q, k). On the CPU, float32 and bfloat16 with contiguous last dims run both in one
-    call of the C kernel of `kernels.cpu_layer_ops`, which rotates q and k in place."""
+    """`apply_rotary(q, k, ...)`, then `write_kv_cache` of the rotated k and of v in `kv_format`
+    (default: the cache's dtype); returns the rotated (q, k). On the CPU, float32 and bfloat16
+    with contiguous last dims run both in one call of the C kernel of `kernels.cpu_layer_ops`,
+    which rotates q and k in place."""
+    kv_format = kv_format or unscaled_format(k_cache.dtype)
     if q.is_cuda or not (cpu_layer_ops.supports(q) and _unit_last_strides(q, k, v, k_cache, v_cache)):
         q, k = apply_rotary(q, k, positions, cos_sin_cache)
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_format)
         return q, k
     _check_args(q, k, positions, cos_sin_cache)
-    check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping)
+    check_kv_cache_args(k, v, k_cache, v_cache, slot_mapping, kv_format)
     if not (positions.is_contiguous() and slot_mapping.is_contiguous() and cos_sin_cache.is_contiguous()):
         raise ValueError("positions, slot_mapping and cos_sin_cache must be contiguous")
-    cpu_layer_ops.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    cpu_layer_ops.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, kv_format)
     return q, k
 
 

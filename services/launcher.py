@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Self, get_args
 
 import redis
 from pydantic import TypeAdapter
@@ -56,6 +56,7 @@ from services.pool_planner.loop import PlannerThread
 from shared.disk_cache import cache_dir
 from shared.settings import (
     GatewaySettings,
+    KVCacheDType,
     ModelSettings,
     PlannerServiceSettings,
     RedisSettings,
@@ -85,6 +86,7 @@ class StackConfig:
     num_colocated: int = 0
     model: str = "default"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # LLMD_KV_CACHE__DTYPE of every worker: prefill and decode must agree
     gateway: bool = True
     redis_url: str | None = None  # None: $REDIS_URL or $LLMD_REDIS__URL, else a private server
     namespace: str | None = None  # None: LLMD_REDIS__NAMESPACE or the settings' default
@@ -387,6 +389,8 @@ class Stack:
             "LLMD_REDIS__NAMESPACE": self.namespace,
             "LLMD_MODEL__PATH": cfg.model,
             "LLMD_MODEL__DTYPE": cfg.dtype,
+            # 'auto' leaves a LLMD_KV_CACHE__DTYPE of the launcher's own environment in force
+            **({"LLMD_KV_CACHE__DTYPE": cfg.kv_cache_dtype} if cfg.kv_cache_dtype != "auto" else {}),
             **cfg.env,
         }
 
@@ -417,6 +421,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="number of colocated workers (prefill and decode in one engine)")
     parser.add_argument("--model", default="default", help="a .gguf file or a Hugging Face checkpoint folder")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=get_args(KVCacheDType),
+                        help="how every worker's KV pool stores keys and values (LLMD_KV_CACHE__DTYPE)")
     parser.add_argument("--no-gateway", action="store_true", help="start Redis and the workers only")
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds to drain on stop before SIGKILL")
     parser.add_argument("--planner", action="store_true",
@@ -440,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [launcher] %(message)s")
     stack = Stack(StackConfig(
         port=args.port, host=args.host, num_prefill=args.prefill, num_decode=args.decode,
-        num_colocated=args.colocated, model=args.model, dtype=args.dtype, gateway=not args.no_gateway,
+        num_colocated=args.colocated, model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        gateway=not args.no_gateway,
         stop_timeout_s=args.stop_timeout,
     ))
     stop = threading.Event()

@@ -156,6 +156,9 @@ class HandoffOffer(Message):
     num_cached_tokens: int
     num_blocks: int
     deadline: float | None = None
+    # how the prefill worker's pool stores KV (kernels/kv_quant.py format name): the blocks move as
+    # those bytes, so a decode worker with another format refuses the offer; empty: not stated
+    kv_cache_dtype: str = ""
 
 
 @dataclass(slots=True)
@@ -168,6 +171,7 @@ class HandoffAccept(Message):
     decode_id: str
     needed_blocks: list[int] | None  # None: rejected, offer it elsewhere
     kv_shm: str = ""  # the decode worker's shared-memory marker (services/kv_connector.py); empty: Redis only
+    refused: str = ""  # why this worker can never take the offer (a KV cache dtype mismatch); empty: it may
 
 
 @dataclass(slots=True)

@@ -33,11 +33,18 @@ class ModelSettings(BaseModel):
         True, description="keep a GGUF's converted weights and tokenizer under ~/.cache/llmd/models (starts in ~1 s, not ~10)")
 
 
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"]
+
+
 class KVCacheSettings(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (a power of two)")
     memory_bytes: int | None = Field(None, ge=1, description="KV pool size in bytes; overrides memory_fraction")
     memory_fraction: float = Field(0.1, gt=0, le=0.95, description="share of available memory for the KV pool")
     enable_prefix_caching: bool = Field(True, description="share full blocks of common prefixes")
+    dtype: KVCacheDType = Field(
+        "auto", description="how the KV pool stores keys and values: auto = the model's dtype; bfloat16/float16 "
+        "halve a float32 model's; fp8_e4m3, fp8_e5m2 and int8 store 8 bits with a float32 scale per token and kv "
+        "head (a quarter of float32, plus the scales); prefill and decode workers must agree")
 
     @field_validator("block_size")
     @classmethod

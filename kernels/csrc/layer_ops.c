@@ -13,7 +13,7 @@
  * two agree with the references to float32 rounding, which bfloat16 output rounds away nearly
  * always.
  *
- * dtype: 0 float32, 1 bfloat16. Return codes: 0 ok, 1 unknown dtype, 3 a slot out of range,
+ * dtype: 0 float32, 1 bfloat16. Return codes: 0 ok, 1 unknown dtype or cache format, 3 a slot out of range,
  * 4 a position out of the cos/sin table.
  */
 #include <math.h>
@@ -216,13 +216,56 @@ ALWAYS_INLINE void rotate_token(char *q, int64_t stride_q_head, int num_heads, c
     }
 }
 
+/* float32 -> a small float (fp8, float16) with `mant` mantissa bits and exponent bias `bias`,
+ * rounded to nearest even as torch converts; |x| must lie within the format's range. */
+ALWAYS_INLINE uint32_t to_small_float(float x, int mant, int bias, int sign_bit) {
+    const uint32_t sign = signbit(x) ? 1u << sign_bit : 0u;
+    int e;
+    frexpf(fabsf(x), &e);
+    /* subnormals share the smallest normal binade's step */
+    const int binade = e - 1 < 1 - bias ? 1 - bias : e - 1;
+    const float step = ldexpf(1.0f, binade - mant);
+    const float r = nearbyintf(fabsf(x) / step) * step;
+    if (r == 0.0f) return sign;
+    frexpf(r, &e);
+    if (e - 1 < 1 - bias) return sign | (uint32_t)(r / step);
+    return sign | ((uint32_t)(e - 1 + bias) << mant) | ((uint32_t)ldexpf(r, mant - (e - 1)) - (1u << mant));
+}
+
+ALWAYS_INLINE float clamp_to(float x, float limit) { return x > limit ? limit : x < -limit ? -limit : x; }
+
+/* One head's row (head_dim values in the model dtype) stored in cache format kv (lanes.h), the
+ * 8-bit ones as codes then the row's scale, max |x| / the format's largest code, exactly as
+ * kernels/kv_quant.py's reference quantises. */
+ALWAYS_INLINE void store_kv_row(uint8_t *row, const char *src, int head_dim, int dtype, int kv) {
+    const float max = kv == KV_E4M3 ? 448.0f : kv == KV_E5M2 ? 57344.0f : kv == KV_I8 ? 127.0f : 65504.0f;
+    float scale = 1.0f;
+    if (kv >= KV_E4M3) {
+        float amax = 0.0f;
+        for (int i = 0; i < head_dim; i++) amax = fmaxf(amax, fabsf(load(src, i, dtype)));
+        if (amax > 0.0f) scale = amax / max;
+        memcpy(row + head_dim, &scale, sizeof scale);
+    }
+    for (int i = 0; i < head_dim; i++) {
+        const float x = load(src, i, dtype);
+        switch (kv) {
+        case KV_F32: ((float *)row)[i] = x; break;
+        case KV_BF16: ((uint16_t *)row)[i] = f32_to_bf16(x); break;
+        case KV_F16: ((uint16_t *)row)[i] = (uint16_t)to_small_float(clamp_to(x, max), 10, 15, 15); break;
+        case KV_E4M3: row[i] = (uint8_t)to_small_float(clamp_to(x / scale, max), 3, 7, 7); break;
+        case KV_E5M2: row[i] = (uint8_t)to_small_float(clamp_to(x / scale, max), 2, 15, 7); break;
+        default: ((int8_t *)row)[i] = (int8_t)nearbyintf(clamp_to(x / scale, max)); break;
+        }
+    }
+}
+
 ALWAYS_INLINE void rotary_kv_write_tokens(
     void *q, int64_t stride_q_token, int64_t stride_q_head, void *k, int64_t stride_k_token, int64_t stride_k_head,
     const void *v, int64_t stride_v_token, int64_t stride_v_head, const int64_t *positions, const float *cos_sin_cache,
     int64_t stride_cos_sin, void *k_cache, int64_t kc_block, int64_t kc_token, int64_t kc_head, void *v_cache,
     int64_t vc_block, int64_t vc_token, int64_t vc_head, const int64_t *slot_mapping, int64_t num_tokens,
-    int num_heads, int num_kv_heads, int head_dim, int block_size, int dtype) {
-    size_t size = dtype == DTYPE_BF16 ? 2 : 4;
+    int num_heads, int num_kv_heads, int head_dim, int block_size, int dtype, int kv) {
+    size_t size = dtype == DTYPE_BF16 ? 2 : 4, cache_size = (size_t)kv_size(kv);
     size_t row_bytes = (size_t)head_dim * size;
     int64_t elements = num_tokens * (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
 #pragma omp parallel for schedule(static) if (elements >= PARALLEL_MIN_ELEMENTS)
@@ -232,18 +275,26 @@ ALWAYS_INLINE void rotary_kv_write_tokens(
                      cos_sin_cache + positions[t] * stride_cos_sin, head_dim / 2, size, dtype);
         int64_t block = slot_mapping[t] / block_size, offset = slot_mapping[t] % block_size;
         for (int h = 0; h < num_kv_heads; h++) {
-            memcpy((char *)k_cache + (block * kc_block + offset * kc_token + h * kc_head) * size,
-                   k_token + h * stride_k_head * size, row_bytes);
-            memcpy((char *)v_cache + (block * vc_block + offset * vc_token + h * vc_head) * size,
-                   (const char *)v + (t * stride_v_token + h * stride_v_head) * size, row_bytes);
+            uint8_t *k_row = (uint8_t *)k_cache + (block * kc_block + offset * kc_token + h * kc_head) * cache_size;
+            uint8_t *v_row = (uint8_t *)v_cache + (block * vc_block + offset * vc_token + h * vc_head) * cache_size;
+            const char *k_src = k_token + h * stride_k_head * size;
+            const char *v_src = (const char *)v + (t * stride_v_token + h * stride_v_head) * size;
+            if (kv == dtype) { /* the model dtype's codes are the cache's */
+                memcpy(k_row, k_src, row_bytes);
+                memcpy(v_row, v_src, row_bytes);
+            } else {
+                store_kv_row(k_row, k_src, head_dim, dtype, kv);
+                store_kv_row(v_row, v_src, head_dim, dtype, kv);
+            }
         }
     }
 }
 
 /* Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place by their
  * positions (cos_sin_cache rows: cos then sin, float32), then store k and v at their slots of
- * the caches [blocks, block_size, kv_heads, head_dim]. The last dim of every tensor is
- * contiguous; strides are in elements. Slots and positions are checked against num_slots and
+ * the caches [blocks, block_size, kv_heads, row], in cache format kv (lanes.h: a row is
+ * head_dim values, or head_dim codes and a scale in the 8-bit formats). The last dim of every
+ * tensor is contiguous; strides are in elements (the cache's: bytes in the 8-bit formats). Slots and positions are checked against num_slots and
  * num_positions before anything is written. */
 int rotary_kv_write(
     void *q, int64_t stride_q_token, int64_t stride_q_head, void *k, int64_t stride_k_token, int64_t stride_k_head,
@@ -251,7 +302,8 @@ int rotary_kv_write(
     int64_t stride_cos_sin, int64_t num_positions, void *k_cache, int64_t kc_block, int64_t kc_token,
     int64_t kc_head, void *v_cache, int64_t vc_block, int64_t vc_token, int64_t vc_head,
     const int64_t *slot_mapping, int64_t num_slots, int64_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
-    int32_t head_dim, int32_t block_size, int32_t dtype) {
+    int32_t head_dim, int32_t block_size, int32_t dtype, int32_t kv) {
+    if (kv < KV_F32 || kv > KV_I8) return 1;
     for (int64_t t = 0; t < num_tokens; t++) {
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return 3;
         if (positions[t] < 0 || positions[t] >= num_positions) return 4;
@@ -260,12 +312,12 @@ int rotary_kv_write(
         rotary_kv_write_tokens(q, stride_q_token, stride_q_head, k, stride_k_token, stride_k_head, v, stride_v_token,
                                stride_v_head, positions, cos_sin_cache, stride_cos_sin, k_cache, kc_block, kc_token,
                                kc_head, v_cache, vc_block, vc_token, vc_head, slot_mapping, num_tokens, num_heads,
-                               num_kv_heads, head_dim, block_size, DTYPE_F32);
+                               num_kv_heads, head_dim, block_size, DTYPE_F32, kv);
     else if (dtype == DTYPE_BF16)
         rotary_kv_write_tokens(q, stride_q_token, stride_q_head, k, stride_k_token, stride_k_head, v, stride_v_token,
                                stride_v_head, positions, cos_sin_cache, stride_cos_sin, k_cache, kc_block, kc_token,
                                kc_head, v_cache, vc_block, vc_token, vc_head, slot_mapping, num_tokens, num_heads,
-                               num_kv_heads, head_dim, block_size, DTYPE_BF16);
+                               num_kv_heads, head_dim, block_size, DTYPE_BF16, kv);
     else
         return 1;
     return 0;

@@ -1,5 +1,6 @@
 /* The arguments both CPU attention kernels take: the queries, the output and the paged KV
- * cache. A row is a request's one query in decode, a token's in prefill. */
+ * cache. A row is a request's one query in decode, a token's in prefill. The cache strides
+ * count its stored elements (bytes in the 8-bit formats, whose rows end in their scale). */
 #ifndef LLMD_PAGED_ARGS_H
 #define LLMD_PAGED_ARGS_H
 
@@ -20,6 +21,7 @@ typedef struct {
     const int32_t *query_start_loc; /* prefill: request i's rows are query_start_loc[i] .. [i + 1] - 1 */
     int32_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_seq_len;
     float scale;
+    int32_t kv; /* the cache's format, KV_* of lanes.h */
 } PagedArgs;
 
 #endif

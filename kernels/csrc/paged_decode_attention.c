@@ -5,9 +5,10 @@
  * decode step. Here each work item walks its request's block table once for the keys and
  * once for the values, so the cache is read twice and written never.
  *
- * q, the cache and out are all float32 or all bfloat16; the arithmetic is float32 either
- * way (a bf16 value is the top half of a float32, so widening it is a shift), and bf16
- * output is rounded to nearest even once at the end. Softmax is two-pass (scores, then
+ * q and out are both float32 or both bfloat16; the arithmetic is float32 either way (a bf16
+ * value is the top half of a float32, so widening it is a shift), and bf16 output is rounded
+ * to nearest even once at the end. The cache is in any format of lanes.h (KV_*): float32 is
+ * read in place, the others widened a tile at a time (8-bit rows times their scale). Softmax is two-pass (scores, then
  * max/exp/sum), as in the reference. A work item is one (request, kv head), or a request's
  * every kv head where there are at least ITEMS_PER_THREAD requests a thread: the heads of a
  * token are adjacent in a block, so such an item reads each block front to back, which the
@@ -92,40 +93,45 @@ static inline __attribute__((always_inline)) int64_t tile_at(
     return (int64_t)table[blk] * stride_b + g * stride_h + off * stride_t;
 }
 
-/* The float32 rows of the tile at `here` in `cache`: the cache itself in float32; in bf16,
- * its n rows widened into `scratch` [TILE, head_dim] once, so the query heads of the group do
- * not each widen them again. The tile at `next` is asked for as this one is read (see
- * attend). */
+/* The float32 rows of the tile at `here` in `cache` (in its elements): the cache itself in
+ * float32; in any other format, its n rows widened (and scaled) into `scratch` [TILE,
+ * head_dim] once, so the query heads of the group do not each widen them again. The tile at
+ * `next` is asked for as this one is read (see attend). */
 static inline __attribute__((always_inline)) const float *tile_rows(
-    const void *cache, int64_t here, int64_t next, int64_t stride_t, int32_t n, const int head_dim, const int bf16,
+    const void *cache, int64_t here, int64_t next, int64_t stride_t, int32_t n, const int head_dim, const int kv,
     float *restrict scratch, int64_t *row_stride)
 {
-    if (!bf16) {
+    if (kv == KV_F32) {
         *row_stride = stride_t;
         return (const float *)cache + here;
     }
-    for (int32_t i = 0; i < n; i++)
+    const int size = kv_size(kv);
+    for (int32_t i = 0; i < n; i++) {
+        const uint8_t *row = (const uint8_t *)cache + (here + i * stride_t) * size;
+        const uint8_t *ahead = (const uint8_t *)cache + (next + i * stride_t) * size;
+        const float scale = kv_row_scale(row, head_dim, kv);
         for (int c = 0; c < head_dim; c += LANES) {
-            if (c * 2 % 64 == 0)
-                __builtin_prefetch((const uint16_t *)cache + next + i * stride_t + c);
-            store_lanes(scratch, (int64_t)i * head_dim + c, load_lanes(cache, here + i * stride_t + c, 1), 0);
+            if (c * size % 64 == 0)
+                __builtin_prefetch(ahead + c * size);
+            store_lanes(scratch, (int64_t)i * head_dim + c, load_kv_lanes(row, c, kv) * scale, 0);
         }
+    }
     *row_stride = head_dim;
     return scratch;
 }
 
 /* The float32 rows of kv head g's tile at (blk, off) of a cache (see tile_rows), with the
  * next tile's position there, (nblk, noff), in `*next_rows`: float32 rows to prefetch, or NULL
- * in bf16, where tile_rows prefetches them as it widens. */
+ * in other formats, where tile_rows prefetches them as it widens. */
 static inline __attribute__((always_inline)) const float *head_tile(
     const void *cache, int64_t stride_b, int64_t stride_t, int64_t stride_h, const int32_t *table, int32_t blk,
-    int32_t off, int32_t nblk, int32_t noff, int32_t g, int32_t n, const int head_dim, const int bf16,
+    int32_t off, int32_t nblk, int32_t noff, int32_t g, int32_t n, const int head_dim, const int kv,
     float *restrict scratch, int64_t *row_stride, const float **next_rows)
 {
     const int64_t next = tile_at(table, nblk, noff, stride_b, stride_t, stride_h, g);
-    *next_rows = bf16 ? NULL : (const float *)cache + next;
+    *next_rows = kv != KV_F32 ? NULL : (const float *)cache + next;
     return tile_rows(cache, tile_at(table, blk, off, stride_b, stride_t, stride_h, g), next, stride_t, n, head_dim,
-                     bf16, scratch, row_stride);
+                     kv, scratch, row_stride);
 }
 
 /* (blk, off) moved on to the next tile of the block table. */
@@ -158,7 +164,7 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
     }
 }
 
-/* kv heads g0 .. g0+ng-1 of request r. Scratch: q_f32 and acc [ng * group, head_dim], scores
+/* kv heads g0 .. g0+ng-1 of request r; q and out in bf16 where `bf16`, the cache in format kv. Scratch: q_f32 and acc [ng * group, head_dim], scores
  * [ng * group, s_stride], tile [TILE, head_dim].
  *
  * The next tile lies wherever the block table says, where no hardware prefetcher looks, so
@@ -168,7 +174,7 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
  * 32 x 1024 tokens on 2 Zen 3 cores: 3.1 -> 2.7 ms); a tile's prefetches all issued at once
  * before its arithmetic gained nothing there. On the last tile `next` is the tile itself. */
 static inline __attribute__((always_inline)) void attend(
-    const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, const int head_dim, const int bf16,
+    const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, const int head_dim, const int bf16, const int kv,
     float *restrict q_f32, float *restrict scores, int64_t s_stride, float *restrict acc, float *restrict tile)
 {
     const int group = a->num_heads / a->num_kv_heads;
@@ -195,7 +201,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int32_t g = g0; g < g0 + ng; g++) {
             const float *k_next;
             const float *k = head_tile(a->k_cache, a->kc_stride_b, a->kc_stride_t, a->kc_stride_h, table, blk, off, nblk,
-                                       noff, g, n, head_dim, bf16, tile, &stride, &k_next);
+                                       noff, g, n, head_dim, kv, tile, &stride, &k_next);
             const int first = (g - g0) * group;
             for (int i0 = 0; i0 < TILE; i0 += LANES) {
                 /* keys past the end read the last real one, whose scores are then dropped */
@@ -208,7 +214,7 @@ static inline __attribute__((always_inline)) void attend(
                     vfloat partial[LANES] = {0};
                     for (int c = 0; c < chunks; c++) {
                         const vfloat qc = load_lanes(q_f32, j * head_dim + c * LANES, 0);
-                        if (!bf16 && j == first && c % vecs_per_line == 0)
+                        if (kv == KV_F32 && j == first && c % vecs_per_line == 0)
                             for (int i = 0; i < LANES; i++)
                                 __builtin_prefetch(k_next + (i0 + i) * a->kc_stride_t + c * LANES);
                         for (int i = 0; i < LANES; i++)
@@ -234,7 +240,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int32_t g = g0; g < g0 + ng; g++) {
             const float *v_next;
             const float *v = head_tile(a->v_cache, a->vc_stride_b, a->vc_stride_t, a->vc_stride_h, table, blk, off, nblk,
-                                       noff, g, n, head_dim, bf16, tile, &stride, &v_next);
+                                       noff, g, n, head_dim, kv, tile, &stride, &v_next);
             const int first = (g - g0) * group;
             for (int j = first; j < first + group; j++) {
                 const float *p = scores + j * s_stride + t0;
@@ -246,7 +252,7 @@ static inline __attribute__((always_inline)) void attend(
                         o[c] = load_lanes(acc, j * head_dim + (c0 + c) * LANES, 0);
                     for (int32_t i = 0; i < n; i++)
                         for (int c = 0; c < m; c++) {
-                            if (!bf16 && j == first && (c0 + c) % vecs_per_line == 0)
+                            if (kv == KV_F32 && j == first && (c0 + c) % vecs_per_line == 0)
                                 __builtin_prefetch(v_next + i * a->vc_stride_t + (c0 + c) * LANES);
                             o[c] += p[i] * load_lanes(v, i * stride + (c0 + c) * LANES, 0);
                         }
@@ -316,9 +322,9 @@ static int amx_permitted(void)
     return state;
 }
 
-static int amx_takes(int dtype, int head_dim, int group, int block_size)
+static int amx_takes(int dtype, int kv, int head_dim, int group, int block_size)
 {
-    return dtype != 0 && (head_dim == 32 || head_dim == 64) && group <= AMX_MAX_GROUP && block_size % TILE == 0 &&
+    return dtype != 0 && kv == KV_BF16 && (head_dim == 32 || head_dim == 64) && group <= AMX_MAX_GROUP && block_size % TILE == 0 &&
            amx_permitted();
 }
 
@@ -479,36 +485,43 @@ static void attend_amx(const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, fl
     }
 }
 #else
-static int amx_takes(int dtype, int head_dim, int group, int block_size)
+static int amx_takes(int dtype, int kv, int head_dim, int group, int block_size)
 {
-    (void)dtype, (void)head_dim, (void)group, (void)block_size;
+    (void)dtype, (void)kv, (void)head_dim, (void)group, (void)block_size;
     return 0;
 }
 #endif
 
 /* Whether a call with these arguments runs on AMX (see above): 1 or 0. */
 int paged_decode_attention_uses_amx(int32_t head_dim, int32_t num_heads, int32_t num_kv_heads, int32_t block_size,
-                                    int32_t dtype)
+                                    int32_t dtype, int32_t kv)
 {
-    return amx_takes(dtype, head_dim, num_heads / num_kv_heads, block_size);
+    return amx_takes(dtype, kv, head_dim, num_heads / num_kv_heads, block_size);
 }
 
 typedef void (*AttendFn)(const PagedArgs *, int32_t, int32_t, int32_t, float *, float *, int64_t, float *, float *);
 
-#define SPECIALISE(name, head_dim, bf16)                                                                   \
+#define SPECIALISE(name, head_dim, bf16, kv)                                                               \
     static void name(const PagedArgs *a, int32_t r, int32_t g0, int32_t ng, float *q_f32, float *scores, \
                      int64_t s_stride, float *acc, float *tile)                                            \
     {                                                                                                      \
-        attend(a, r, g0, ng, head_dim, bf16, q_f32, scores, s_stride, acc, tile);                          \
+        attend(a, r, g0, ng, head_dim, bf16, kv, q_f32, scores, s_stride, acc, tile);                      \
     }
-SPECIALISE(attend_f32_64, 64, 0)
-SPECIALISE(attend_f32_128, 128, 0)
-SPECIALISE(attend_f32_any, a->head_dim, 0)
-SPECIALISE(attend_bf16_64, 64, 1)
-SPECIALISE(attend_bf16_128, 128, 1)
-SPECIALISE(attend_bf16_any, a->head_dim, 1)
+/* q, out and cache in one dtype, then a cache in another format (known at run time) */
+SPECIALISE(attend_f32_64, 64, 0, KV_F32)
+SPECIALISE(attend_f32_128, 128, 0, KV_F32)
+SPECIALISE(attend_f32_any, a->head_dim, 0, KV_F32)
+SPECIALISE(attend_bf16_64, 64, 1, KV_BF16)
+SPECIALISE(attend_bf16_128, 128, 1, KV_BF16)
+SPECIALISE(attend_bf16_any, a->head_dim, 1, KV_BF16)
+SPECIALISE(attend_f32_kv_64, 64, 0, a->kv)
+SPECIALISE(attend_f32_kv_128, 128, 0, a->kv)
+SPECIALISE(attend_f32_kv_any, a->head_dim, 0, a->kv)
+SPECIALISE(attend_bf16_kv_64, 64, 1, a->kv)
+SPECIALISE(attend_bf16_kv_128, 128, 1, a->kv)
+SPECIALISE(attend_bf16_kv_any, a->head_dim, 1, a->kv)
 
-/* dtype 0: float32, 1: bfloat16. Returns 0; 1 when a thread could not allocate its scratch
+/* dtype (q and out) 0: float32, 1: bfloat16; kv: the cache's format (KV_*). Returns 0; 1 when a thread could not allocate its scratch
  * (nothing is then computed); 2 for a head_dim or block_size the kernel does not take; 3 when
  * a request has no token in the cache (nothing computed). The longest length is found here,
  * not by the caller: two reductions over a tensor cost the Python side more than this call's
@@ -520,9 +533,9 @@ int paged_decode_attention(
     const void *v_cache, int64_t vc_stride_b, int64_t vc_stride_t, int64_t vc_stride_h,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     int32_t num_reqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    float scale, int32_t dtype)
+    float scale, int32_t dtype, int32_t kv)
 {
-    if (head_dim % TILE != 0 || head_dim > MAX_HEAD_DIM || block_size % TILE != 0)
+    if (head_dim % TILE != 0 || head_dim > MAX_HEAD_DIM || block_size % TILE != 0 || kv < KV_F32 || kv > KV_I8)
         return 2;
     int32_t max_seq_len = 0;
     for (int32_t r = 0; r < num_reqs; r++) {
@@ -534,14 +547,16 @@ int paged_decode_attention(
         out, out_stride_r, out_stride_h, q, q_stride_r, q_stride_h,
         k_cache, kc_stride_b, kc_stride_t, kc_stride_h, v_cache, vc_stride_b, vc_stride_t, vc_stride_h,
         block_tables, bt_stride, seq_lens, NULL, num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-        max_seq_len, scale,
+        max_seq_len, scale, kv,
     };
-    const AttendFn kernels[2][3] = {
-        {attend_f32_64, attend_f32_128, attend_f32_any},
-        {attend_bf16_64, attend_bf16_128, attend_bf16_any},
+    const AttendFn kernels[2][2][3] = {
+        {{attend_f32_64, attend_f32_128, attend_f32_any}, {attend_f32_kv_64, attend_f32_kv_128, attend_f32_kv_any}},
+        {{attend_bf16_64, attend_bf16_128, attend_bf16_any},
+         {attend_bf16_kv_64, attend_bf16_kv_128, attend_bf16_kv_any}},
     };
-    const AttendFn kernel = kernels[dtype != 0][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
-    const int amx = amx_takes(dtype, head_dim, num_heads / num_kv_heads, block_size);
+    const int same = kv == (dtype != 0 ? KV_BF16 : KV_F32);
+    const AttendFn kernel = kernels[dtype != 0][!same][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
+    const int amx = amx_takes(dtype, kv, head_dim, num_heads / num_kv_heads, block_size);
     /* a request's kv heads in one work item where there are requests enough to go round: the
      * heads of a token sit side by side in a block, so the item then reads whole blocks front
      * to back, which the hardware prefetcher follows */

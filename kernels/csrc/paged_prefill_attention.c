@@ -30,8 +30,9 @@
  * the end. Both paths take e^x on vectors (glibc's expf, called per lane, took a third of the
  * time).
  *
- * q, the cache and out are all float32 or all bfloat16, and bf16 output is rounded to nearest
- * even once. In float32 the arithmetic is float32 FMAs. In bf16 on a CPU with AVX512-BF16
+ * q and out are both float32 or both bfloat16, and bf16 output is rounded to nearest even
+ * once. The cache is in any format of lanes.h (KV_*): other than q's dtype, it is widened (8-bit
+ * rows times their scales) as each block of keys is loaded, and the float32 path takes it. In float32 the arithmetic is float32 FMAs. In bf16 on a CPU with AVX512-BF16
  * (head_dim a multiple of 32), both products run on its dot products, which multiply 16 pairs
  * of bf16 and add into float32 in one instruction: the tile's keys are kept as bf16 pairs
  * transposed, its values as pairs of keys interleaved, and the softmax weights are rounded to
@@ -155,38 +156,60 @@ static inline __attribute__((always_inline)) void transpose_lanes(vfloat rows[LA
     }
 }
 
-/* A block's keys (transposed: kt[d * KEY_BLOCK + j]) and values (v[j * head_dim + d]) as floats;
- * keys past `count` are zero. The keys go LANES at a time through transpose_lanes: stored lane
- * by lane they took a sixth of the kernel's time. */
-static inline __attribute__((always_inline)) void load_block(const PagedArgs *a, const int32_t *table, int32_t kv_head,
-                                                            int32_t key0, int32_t count, float *kt, float *v, const int bf16)
+/* A block's keys (transposed: kt[d * KEY_BLOCK + j]) and values (v[j * head_dim + d]) as floats,
+ * from a cache in format kv (8-bit rows times their scales); keys past `count` are zero. The
+ * keys go LANES at a time through transpose_lanes: stored lane by lane they took a sixth of the
+ * kernel's time. */
+static inline __attribute__((always_inline)) void load_block_as(const PagedArgs *a, const int32_t *table,
+                                                               int32_t kv_head, int32_t key0, int32_t count, float *kt,
+                                                               float *v, const int kv)
 {
     const int32_t d_len = a->head_dim;
+    const int size = kv_size(kv);
     if (count < KEY_BLOCK) {
         memset(kt, 0, sizeof(float) * KEY_BLOCK * d_len);
         memset(v, 0, sizeof(float) * KEY_BLOCK * d_len);
     }
     for (int32_t j0 = 0; j0 < count; j0 += LANES) {
         const int n = count - j0 < LANES ? count - j0 : LANES;
-        int64_t k_at[LANES];
+        const uint8_t *k_rows[LANES];
+        float k_scales[LANES];
         for (int i = 0; i < n; i++) {
             const int32_t key = key0 + j0 + i;
             const int64_t block = table[key / a->block_size], slot = key % a->block_size;
-            k_at[i] = block * a->kc_stride_b + slot * a->kc_stride_t + kv_head * a->kc_stride_h;
-            const int64_t v_at = block * a->vc_stride_b + slot * a->vc_stride_t + kv_head * a->vc_stride_h;
+            k_rows[i] = (const uint8_t *)a->k_cache +
+                        (block * a->kc_stride_b + slot * a->kc_stride_t + kv_head * a->kc_stride_h) * size;
+            k_scales[i] = kv_row_scale(k_rows[i], d_len, kv);
+            const uint8_t *v_row = (const uint8_t *)a->v_cache +
+                                   (block * a->vc_stride_b + slot * a->vc_stride_t + kv_head * a->vc_stride_h) * size;
+            const float v_scale = kv_row_scale(v_row, d_len, kv);
             for (int32_t d = 0; d < d_len; d += LANES) {
-                const vfloat v_vec = load_lanes(a->v_cache, v_at + d, bf16);
+                const vfloat v_vec = load_kv_lanes(v_row, d, kv) * v_scale;
                 memcpy(v + (j0 + i) * d_len + d, &v_vec, sizeof v_vec);
             }
         }
         for (int32_t d = 0; d < d_len; d += LANES) {
             vfloat rows[LANES];
             for (int i = 0; i < LANES; i++)
-                rows[i] = i < n ? load_lanes(a->k_cache, k_at[i] + d, bf16) : (vfloat){0};
+                rows[i] = i < n ? load_kv_lanes(k_rows[i], d, kv) * k_scales[i] : (vfloat){0};
             transpose_lanes(rows);
             for (int i = 0; i < LANES; i++)
                 memcpy(kt + (d + i) * KEY_BLOCK + j0, &rows[i], sizeof rows[i]);
         }
+    }
+}
+
+/* load_block_as with the format a constant in each copy, so each loop is compiled for it. */
+static inline __attribute__((always_inline)) void load_block(const PagedArgs *a, const int32_t *table, int32_t kv_head,
+                                                            int32_t key0, int32_t count, float *kt, float *v)
+{
+    switch (a->kv) {
+    case KV_F32: load_block_as(a, table, kv_head, key0, count, kt, v, KV_F32); break;
+    case KV_BF16: load_block_as(a, table, kv_head, key0, count, kt, v, KV_BF16); break;
+    case KV_F16: load_block_as(a, table, kv_head, key0, count, kt, v, KV_F16); break;
+    case KV_E4M3: load_block_as(a, table, kv_head, key0, count, kt, v, KV_E4M3); break;
+    case KV_E5M2: load_block_as(a, table, kv_head, key0, count, kt, v, KV_E5M2); break;
+    default: load_block_as(a, table, kv_head, key0, count, kt, v, KV_I8); break;
     }
 }
 
@@ -515,7 +538,7 @@ static void run_item(const PagedArgs *a, const Item *item, float *scratch, const
     if (!dot)
         for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_BLOCK) {
             const int32_t count = num_keys - key0 < KEY_BLOCK ? num_keys - key0 : KEY_BLOCK;
-            load_block(a, table, item->kv_head, key0, count, kt, v, bf16);
+            load_block(a, table, item->kv_head, key0, count, kt, v);
             if (d_len == 64)
                 attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, 64);
             else
@@ -540,10 +563,10 @@ static size_t item_scratch_floats(int64_t max_rows, int32_t head_dim)
     return (size_t)(2 * max_rows * head_dim + 2 * KEY_BLOCK * head_dim + MICRO_ROWS * KEY_BLOCK + (LANES + 3) * max_rows);
 }
 
-/* Whether a call with this head_dim and dtype code runs on bf16 dot products. */
-int paged_prefill_attention_uses_bf16_dot(int32_t head_dim, int32_t dtype)
+/* Whether a call with this head_dim, dtype code and cache format runs on bf16 dot products. */
+int paged_prefill_attention_uses_bf16_dot(int32_t head_dim, int32_t dtype, int32_t kv)
 {
-    return HAVE_BF16_DOT && dtype == 1 && head_dim % 32 == 0;
+    return HAVE_BF16_DOT && dtype == 1 && kv == KV_BF16 && head_dim % 32 == 0;
 }
 
 /* Returns 0, 2 for arguments it does not take, 4 when it cannot allocate its scratch.
@@ -554,16 +577,18 @@ int paged_prefill_attention(void *out, int64_t out_stride_r, int64_t out_stride_
                             const void *v_cache, int64_t vc_stride_b, int64_t vc_stride_t, int64_t vc_stride_h,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                             const int32_t *query_start_loc, int32_t num_reqs, int32_t num_heads, int32_t num_kv_heads,
-                            int32_t head_dim, int32_t block_size, float scale, int32_t dtype, int32_t min_query_len)
+                            int32_t head_dim, int32_t block_size, float scale, int32_t dtype, int32_t kv,
+                            int32_t min_query_len)
 {
     if (head_dim % LANES || head_dim > MAX_HEAD_DIM || num_kv_heads < 1 || num_heads % num_kv_heads ||
-        num_heads / num_kv_heads > MAX_GROUP || block_size < 1 || (dtype != 0 && dtype != 1))
+        num_heads / num_kv_heads > MAX_GROUP || block_size < 1 || (dtype != 0 && dtype != 1) || kv < KV_F32 ||
+        kv > KV_I8)
         return 2;
     const PagedArgs a = {out, out_stride_r, out_stride_h, q, q_stride_r, q_stride_h,
                           k_cache, kc_stride_b, kc_stride_t, kc_stride_h,
                           v_cache, vc_stride_b, vc_stride_t, vc_stride_h,
                           block_tables, bt_stride, seq_lens, query_start_loc,
-                          num_reqs, num_heads, num_kv_heads, head_dim, block_size, 0, scale};
+                          num_reqs, num_heads, num_kv_heads, head_dim, block_size, 0, scale, kv};
     int64_t num_items = 0;
     for (int32_t i = 0; i < num_reqs; i++) {
         const int32_t q_len = query_start_loc[i + 1] - query_start_loc[i];
@@ -586,7 +611,7 @@ int paged_prefill_attention(void *out, int64_t out_stride_r, int64_t out_stride_
     }
     const int64_t max_rows = (int64_t)ITEM_TOKENS * (num_heads / num_kv_heads);
     const size_t scratch_floats = item_scratch_floats(max_rows, head_dim);
-    const int dot = paged_prefill_attention_uses_bf16_dot(head_dim, dtype);
+    const int dot = paged_prefill_attention_uses_bf16_dot(head_dim, dtype, kv);
     int failed = 0;
 #pragma omp parallel
     {

@@ -166,8 +166,21 @@ class DecodeWorker(Worker):
                 await self._answer(offer, None)
                 return
             await self._abort(offer.req_id, f"superseded by attempt {offer.attempt}")
+        if (mismatch := self._kv_mismatch(offer)) is not None:
+            logger.error("refusing %s: %s", offer.req_id, mismatch)
+            await self._answer(offer, None, refused=mismatch)
+            return
         needed = None if self.draining else await self._reserve(offer)
         await self._answer(offer, needed)
+
+    def _kv_mismatch(self, offer: HandoffOffer) -> str | None:
+        """Why blocks stored as the offer says cannot land in this pool, or None: they move as raw
+        bytes, never converted, so both pools must store the same format."""
+        ours = self.engine.engine.kv_format.name
+        if not offer.kv_cache_dtype or offer.kv_cache_dtype == ours:
+            return None
+        return (f"KV cache dtype mismatch: prefill worker {offer.prefill_id} stores {offer.kv_cache_dtype}, decode "
+                f"worker {self.worker_id} stores {ours}; start both with the same LLMD_KV_CACHE__DTYPE")
 
     def _known_attempt(self, req_id: str) -> int | None:
         if (held := self._reserved.get(req_id)) is not None:
@@ -192,8 +205,8 @@ class DecodeWorker(Worker):
         self._reserved[offer.req_id] = Reservation(offer, needed, block_ids, expiry)
         return needed
 
-    async def _answer(self, offer: HandoffOffer, needed: list[int] | None) -> None:
-        accept = HandoffAccept(offer.req_id, offer.attempt, self.worker_id, needed, self.kv.shm_token)
+    async def _answer(self, offer: HandoffOffer, needed: list[int] | None, refused: str = "") -> None:
+        accept = HandoffAccept(offer.req_id, offer.attempt, self.worker_id, needed, self.kv.shm_token, refused)
         await self.send(self.keys.inbox(offer.prefill_id), accept)
 
     def _expire(self, req_id: str, attempt: int) -> None:

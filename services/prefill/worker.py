@@ -49,6 +49,10 @@ INTAKE_BATCH = 4  # entries per read: small, so that idle prefill workers share 
 MAX_REMEMBERED_HANDOFFS = 4096
 
 
+class HandoffRefused(Exception):
+    """A decode worker that can never take this offer, with its reason."""
+
+
 class PrefillWorker(Worker):
     role = "prefill"
     stop_after_prefill = True  # the engine keeps a request once its first token is out: it is handed off
@@ -275,14 +279,15 @@ class PrefillWorker(Worker):
             output_logprobs=h.output_logprobs,
             output_top_logprobs=[[[token_id, logprob] for token_id, logprob in row] for row in h.output_top_logprobs],
             params=h.params.to_dict(), seed=h.seed, num_cached_tokens=h.num_cached_tokens,
-            num_blocks=h.num_blocks, deadline=t.msg.deadline,
+            num_blocks=h.num_blocks, deadline=t.msg.deadline, kv_cache_dtype=self.engine.engine.kv_format.name,
         )
 
     async def _place(self, t: Tracked, offer: HandoffOffer) -> tuple[str | None, list[int] | None]:
         """Offer the request to decode workers, least loaded first, until one reserves blocks.
 
         Full workers are retried with backoff until the request's deadline; no decode worker at
-        all for handoff_timeout_s is an error.
+        all for handoff_timeout_s is an error, and so is a round in which every one refused the
+        offer outright (a KV cache dtype other than this worker's).
         """
         timeout_s = self.settings.worker.handoff_timeout_s
         alone_since: float | None = None
@@ -301,12 +306,20 @@ class PrefillWorker(Worker):
                 if time.monotonic() - alone_since > timeout_s:
                     await self._fail(t, f"no decode worker able to hold {offer.num_blocks} KV blocks is alive")
                     return None, None
+            refusals: list[str] = []
             for status in candidates:
-                needed = await self._offer(t, offer, status.worker_id)
+                try:
+                    needed = await self._offer(t, offer, status.worker_id)
+                except HandoffRefused as e:
+                    refusals.append(str(e))
+                    continue
                 if needed is not None:
                     return status.worker_id, needed
                 if t.cancelled:
                     break
+            if refusals and len(refusals) == len(candidates):
+                await self._fail(t, refusals[0])
+                return None, None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         return None, None
@@ -322,6 +335,8 @@ class PrefillWorker(Worker):
             return None
         finally:
             self.accepts.forget(t.req_id, t.msg.attempt)
+        if accept.refused:
+            raise HandoffRefused(accept.refused)
         if accept.needed_blocks is None:
             logger.debug("decode worker %s has no room for %s", decode_id, t.req_id)
             return None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from kernels.kv_quant import KVFormat, kv_format
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
@@ -130,7 +131,8 @@ class Engine:
                                  self.config.max_position_embeddings)
         model = LlamaModel(self.config, loaded.weights, dtype, device, loaded.quantized)
         kv = settings.kv_cache
-        block_bytes = kv_block_bytes(self.config, kv.block_size, dtype)
+        kv_fmt = kv_format(kv.dtype, dtype)
+        block_bytes = kv_block_bytes(self.config, kv.block_size, kv_fmt)
         budget = kv.memory_bytes or int(available_memory_bytes(device) * kv.memory_fraction)
         num_blocks = budget // block_bytes
         if num_blocks < 2:
@@ -145,7 +147,7 @@ class Engine:
                             sched.kv_reservation),
             self.kv_cache,
         )
-        self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt)
         self._requests: dict[ReqId, Request] = {}
         self._importing: dict[ReqId, Request] = {}
         self._rng = random.Random()
@@ -319,7 +321,13 @@ class Engine:
 
     @property
     def kv_dtype(self) -> torch.dtype:
+        """The element dtype of `read_blocks`' tensors (uint8 for the 8-bit formats, whose bytes hold their scales)."""
         return self.runner.kv_cache.dtype
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """How the pool stores KV (`kv_cache.dtype` resolved); both sides of a handoff must agree on it."""
+        return self.runner.kv_format
 
     def release(self, req_id: str) -> None:
         """Drop a prefilled request after handoff; its full blocks stay in the prefix cache."""

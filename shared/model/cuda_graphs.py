@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_quant import KVFormat
 from shared.model.llama import AttentionMetadata, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -32,11 +33,12 @@ class _StaticInputs:
 
 class DecodeGraphs:
     def __init__(
-        self, model: LlamaModel, kv_cache: torch.Tensor, scratch_block: int, max_blocks_per_req: int,
+        self, model: LlamaModel, kv_cache: torch.Tensor, kv_format: KVFormat, scratch_block: int, max_blocks_per_req: int,
         max_batch_size: int,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.kv_format = kv_format
         self.block_size = kv_cache.shape[3]
         self.scratch_block = scratch_block
         self.batch_sizes = [b for b in DEFAULT_BATCH_SIZES if b <= max_batch_size]
@@ -77,7 +79,7 @@ class DecodeGraphs:
             slot_mapping=s.slot_mapping[:bs], block_tables=s.block_tables[:bs], seq_lens=s.seq_lens[:bs],
             query_start_loc=s.query_start_loc[: bs + 1], max_query_len=1,
         )
-        return self.model.forward(s.input_ids[:bs], s.positions[:bs], meta, self.kv_cache)
+        return self.model.forward(s.input_ids[:bs], s.positions[:bs], meta, self.kv_cache, self.kv_format)
 
     def can_run(self, num_reqs: int, max_query_len: int, num_table_blocks: int) -> bool:
         return (max_query_len == 1 and num_reqs <= self.max_batch_size

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul
+from kernels.kv_quant import KVFormat
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
 from kernels.rotary import rotate_and_write_kv
@@ -126,13 +127,14 @@ class LlamaModel:
         input_ids: torch.Tensor,  # int64 [num_tokens]
         positions: torch.Tensor,  # int64 [num_tokens]
         meta: AttentionMetadata,
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, row]
+        kv_format: KVFormat | None = None,  # how kv_cache stores a row (default: head_dim values of its dtype)
     ) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             normed, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual)
-            hidden = self._attention(layer, normed, positions, meta, kv_cache[i, 0], kv_cache[i, 1])
+            hidden = self._attention(layer, normed, positions, meta, kv_cache[i, 0], kv_cache[i, 1], kv_format)
             normed, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
             hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(normed)))
             if self.between_layers is not None:
@@ -148,6 +150,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        kv_format: KVFormat | None,
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
@@ -156,9 +159,12 @@ class LlamaModel:
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q, _ = rotate_and_write_kv(q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        q, _ = rotate_and_write_kv(
+            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, meta.slot_mapping, kv_format
+        )
         out = paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, self.scale
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, self.scale,
+            kv_format,
         )  # [num_tokens, num_heads, head_dim]
         return layer.o_proj(out.reshape(num_tokens, cfg.num_heads * cfg.head_dim))
 

@@ -10,6 +10,7 @@ import torch
 from torch.profiler import record_function
 
 from kernels import cpu_attention, cpu_layer_ops
+from kernels.kv_quant import KVFormat, unscaled_format
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
 from shared.engine.structured import token_masks
@@ -37,31 +38,36 @@ class ModelInput:
     logits_indices: torch.Tensor  # int64 [num_sampling_reqs]: last token row of each sampling request
 
 
-def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * element_size
+def kv_block_bytes(config: ModelConfig, block_size: int, kv_format: KVFormat | torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values (an 8-bit format's scales included);
+    a dtype stands for plain values of it."""
+    fmt = kv_format if isinstance(kv_format, KVFormat) else unscaled_format(kv_format)
+    return config.num_layers * 2 * block_size * config.num_kv_heads * fmt.row_bytes(config.head_dim)
 
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int
+        self, model: LlamaModel, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+        kv_format: KVFormat | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        self.kv_format = kv_format or unscaled_format(model.dtype)
         self.sampler = Sampler()
         use_graphs = model.device.type == "cuda"
         # zeros, not empty: attention masks padding slots, and 0 * garbage-NaN would still be NaN.
         # On CUDA one extra block, owned by no request, absorbs the padded rows of graph replays.
+        # an 8-bit format's rows are bytes: head_dim codes, then the row's scale (kernels/kv_quant.py)
+        row = self.kv_format.row_elements(cfg.head_dim)
         self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=model.dtype,
+            (cfg.num_layers, 2, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads, row),
+            dtype=self.kv_format.storage_dtype,
             device=model.device,
         )
         logger.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB, %s)",
-            num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, model.dtype,
+            num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.kv_format.name,
         )
         if model.device.type == "cpu":
             # build the C kernels (a first start compiles them, ~20 s on 2 cores) while the worker loads,
@@ -70,7 +76,8 @@ class ModelRunner:
                 load()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(model, self.kv_cache, num_blocks, -(-max_model_len // block_size), max_num_seqs)
+            self.graphs = DecodeGraphs(model, self.kv_cache, self.kv_format, num_blocks, -(-max_model_len // block_size),
+                                       max_num_seqs)
             self.graphs.capture()
 
     @property
@@ -88,7 +95,7 @@ class ModelRunner:
             ):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
             else:
-                hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
+                hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache, self.kv_format)
         sampling_reqs = [req for i, req in enumerate(batch.reqs) if batch.samples(i)]
         if not sampling_reqs:
             return StepResult(token_ids=[])
@@ -137,8 +144,10 @@ class ModelRunner:
     # then on libgomp (more threads than CPUs) all but stops spin-waiting between parallel regions,
     # which made every later decode step 2-3x slower.
     def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """KV of the given blocks, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] on the CPU:
-        into `out` (contiguous, that shape and the pool's dtype) where given, else a new tensor."""
+        """KV of the given blocks, [num_blocks, num_layers, 2, block_size, num_kv_heads, row] on the CPU, as the
+        pool stores them (an 8-bit format's rows are bytes with their scales, so a block's bytes carry
+        everything needed to read it): into `out` (contiguous, that shape and the pool's dtype) where given,
+        else a new tensor."""
         shape = self.blocks_shape(len(block_ids))
         if out is not None and (tuple(out.shape) != shape or out.dtype != self.kv_cache.dtype
                                 or out.device.type != "cpu" or not out.is_contiguous()):
@@ -158,9 +167,12 @@ class ModelRunner:
         expected = self.blocks_shape(len(block_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV block data has shape {tuple(data.shape)}, expected {expected}")
-        if self.device.type != "cpu" or data.dtype != self.kv_cache.dtype:
+        if data.dtype != self.kv_cache.dtype:  # converting would pass off another format's bytes as this one's
+            raise ValueError(f"KV block data is {data.dtype}, the pool stores {self.kv_format.name} as "
+                             f"{self.kv_cache.dtype}")
+        if self.device.type != "cpu":
             index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-            self.kv_cache.index_copy_(2, index, data.to(device=self.device, dtype=self.kv_cache.dtype).movedim(0, 2))
+            self.kv_cache.index_copy_(2, index, data.to(device=self.device).movedim(0, 2))
             return
         pool, src = _bits(self.kv_cache), _bits(data)
         for i, block in enumerate(block_ids):

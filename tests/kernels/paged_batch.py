@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from kernels.kv_quant import KVFormat, from_cache, to_cache
 
 # padding entries of a block table: far out of range, so reading one as a block id fails
 PADDING_BLOCK_ID = 2**30
@@ -22,13 +24,25 @@ class PagedBatch:
     scale: float
     dense_k: list[torch.Tensor]  # per request [seq_len, num_kv_heads, head_dim]
     dense_v: list[torch.Tensor]
+    kv_format: KVFormat | None = None  # None: plain values of the caches' dtype
 
     @property
     def args(self) -> tuple[object, ...]:
         return (
             self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-            self.query_start_loc, self.max_query_len, self.scale,
+            self.query_start_loc, self.max_query_len, self.scale, self.kv_format,
         )
+
+
+def in_kv_format(batch: PagedBatch, fmt: KVFormat) -> PagedBatch:
+    """The batch with its caches stored in `fmt`, and its dense K/V what that cache reads back as."""
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        return from_cache(to_cache(x, fmt), fmt, x.dtype)
+
+    return replace(
+        batch, k_cache=to_cache(batch.k_cache, fmt), v_cache=to_cache(batch.v_cache, fmt), kv_format=fmt,
+        dense_k=[stored(k) for k in batch.dense_k], dense_v=[stored(v) for v in batch.dense_v],
+    )
 
 
 POISON = 3.0e4

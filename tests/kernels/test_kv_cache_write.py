@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref, write_kv_cache_triton
+from kernels.kv_quant import FORMATS
 
 NUM_BLOCKS = 6
 
@@ -64,7 +65,14 @@ def test_out_of_range_slot_raises_value_error(slot: int) -> None:
 
 
 def test_mismatched_dtype_raises_value_error() -> None:
+    key, _ = _new_kv(1, 2, 2, 64, torch.float32)
+    k_cache, v_cache = _caches(16, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        write_kv_cache(key, key.bfloat16(), k_cache, v_cache, torch.tensor([0]))
+
+
+def test_float32_values_go_into_a_bf16_cache_rounded() -> None:
     key, value = _new_kv(1, 2, 2, 64, torch.float32)
     k_cache, v_cache = _caches(16, 2, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="dtypes differ"):
-        write_kv_cache(key, value, k_cache, v_cache, torch.tensor([0]))
+    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([0]), FORMATS["bfloat16"])
+    assert torch.equal(k_cache[0, 0], key[0].bfloat16()) and torch.equal(v_cache[0, 0], value[0].bfloat16())

@@ -129,8 +129,8 @@ def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel
     assert out.dtype == torch.bfloat16 and out.shape == batch.q.shape
     # the same bf16 values attended in float32: both kernels only round the output, so they sit
     # within one bf16 ulp (2**-8 relative) of this, closer than the bf16 reference gets
-    upcast = [t.float() if t.is_floating_point() else t for t in batch.args[:-2]]
-    exact = paged_attention_ref(*upcast, *batch.args[-2:])
+    upcast = [t.float() if t.is_floating_point() else t for t in batch.args[:-3]]
+    exact = paged_attention_ref(*upcast, *batch.args[-3:-1])
     # rows of prefill requests on bf16 dot products took their weights rounded to bf16, as the
     # reference (SDPA's bf16 flash attention) and the Triton kernel do: held to the bf16 bound
     rounded_weights = batch.max_query_len > 1 and cpu_attention.prefill_uses_bf16_dot(batch.q, batch.k_cache)
@@ -325,8 +325,9 @@ def _bad(batch: PagedBatch, **changes: object) -> tuple[object, ...]:
         ({"seq_lens": torch.tensor([1, 15], dtype=torch.int64)}, "seq_lens must be int32"),
         ({"query_start_loc": torch.tensor([0, 1], dtype=torch.int32)}, "query_start_loc must be int32 \\[3\\]"),
         ({"q": torch.zeros(2, 5, 64)}, "num_heads 5 is not a multiple of num_kv_heads 2"),
-        ({"q": torch.zeros(2, 6, 32)}, "cache head_dim 64 != q head_dim 32"),
-        ({"q": torch.zeros(2, 6, 64, dtype=torch.bfloat16)}, "dtypes differ"),
+        ({"q": torch.zeros(2, 6, 32)}, "cache rows of 64 do not hold q's head_dim 32 in float32"),
+        ({"q": torch.zeros(2, 6, 64, dtype=torch.int32)}, "q must be float32, bfloat16 or float16"),
+        ({"v_cache": torch.zeros(5, 16, 2, 64, dtype=torch.bfloat16)}, "stored as torch.float32"),
         ({"q": torch.zeros(3, 6, 64)}, "one query per request: 3 != 2"),
         ({"max_query_len": 0}, "max_query_len must be at least 1"),
     ],

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import re
+import signal
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import redis
+from openai import OpenAI
 
 from bench.stack_harness import scrape_metrics
 from services.launcher import Stack, StackConfig
@@ -41,6 +43,43 @@ def running_stack(name: str, env: dict[str, str], **config: Any) -> Iterator[Sta
             client.delete(key)
         client.close()
         remove_kv_files(stack_config.namespace)
+
+
+def streamed_text(client: OpenAI, model: str, prompt: str, max_tokens: int,
+                  on_chunk: Callable[[int], None] = lambda n: None, **sampling: Any) -> str:
+    """One streamed completion that ignores EOS, so it must produce exactly max_tokens tokens
+    (asserted); `on_chunk` gets the number of text chunks received so far after each."""
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True}, **sampling,
+    )  # fmt: skip
+    text, num_chunks, usage = "", 0, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            num_chunks += 1
+            on_chunk(num_chunks)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == max_tokens
+    return text
+
+
+class HolderKiller:
+    """An `on_chunk` for streamed_text: at chunk `at`, SIGKILLs the one `role` worker running the
+    request (a worker's id is its name in the stack) and records it in `victims`."""
+
+    def __init__(self, stack: Stack, rds: redis.Redis, role: str, at: int = 8) -> None:
+        self.stack, self.rds, self.role, self.at = stack, rds, role, at
+        self.victims: list[str] = []
+
+    def __call__(self, num_chunks: int) -> None:
+        if num_chunks != self.at or self.victims:
+            return
+        holders = request_holders(self.rds, self.stack.keys, self.role)
+        assert len(holders) == 1, f"expected one {self.role} worker holding the request, got {holders}"
+        self.victims.append(holders[0])
+        assert self.stack.stop_worker(holders[0], signal.SIGKILL) < 0
 
 
 def remove_kv_files(namespace: str) -> None:

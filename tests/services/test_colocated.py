@@ -6,7 +6,6 @@ and the `cpus` setting that pins a worker to its cores."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -29,7 +28,7 @@ from shared.settings import (
     WorkerSettings,
 )
 from shared.streams import PREFILL_GROUP, Keys
-from tests.services.stacks import FAST_HEARTBEAT, live_workers, request_holders, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, HolderKiller, live_workers, running_stack, streamed_text
 from tests.services.test_e2e import token_texts
 from tests.services.test_faults import BOUND_S, until
 
@@ -153,20 +152,7 @@ def test_a_client_that_leaves_frees_the_blocks_of_its_request(
 
 
 def seeded(client: OpenAI, model: str, on_token: Callable[[int], None] = lambda n: None) -> str:
-    stream = client.completions.create(
-        model=model, prompt=SEEDED_PROMPT, max_tokens=NUM_SEEDED_TOKENS, temperature=1.0, seed=11, stream=True,
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-    )  # fmt: skip
-    text, num_chunks, usage = "", 0, None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            num_chunks += 1
-            on_token(num_chunks)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None and usage.completion_tokens == NUM_SEEDED_TOKENS
-    return text
+    return streamed_text(client, model, SEEDED_PROMPT, NUM_SEEDED_TOKENS, on_token, temperature=1.0, seed=11)
 
 
 @pytest.mark.slow
@@ -175,19 +161,11 @@ def test_a_colocated_worker_killed_mid_generation_has_its_request_rerun_by_the_o
 ) -> None:
     expected = seeded(client, model)
     assert_clean(rds, stack.keys)  # heartbeats lag up to an interval: the first run's holder must read idle first
-    victims: list[str] = []
-
-    def kill_holder(num_chunks: int) -> None:
-        if num_chunks != 8 or victims:
-            return
-        holders = request_holders(rds, stack.keys, "colocated")
-        assert len(holders) == 1, f"expected one worker holding the request, got {holders}"
-        victims.append(holders[0])
-        assert stack.stop_worker(holders[0], signal.SIGKILL) < 0
+    kill_holder = HolderKiller(stack, rds, "colocated")
 
     text = seeded(client, model, kill_holder)
 
-    assert len(victims) == 1
+    assert len(kill_holder.victims) == 1
     assert text == expected  # no token lost, none doubled, and the seed holds across the re-run
-    assert [s.worker_id for s in live_colocated(rds, stack.keys)] != victims
+    assert [s.worker_id for s in live_colocated(rds, stack.keys)] != kill_holder.victims
     assert_clean(rds, stack.keys)

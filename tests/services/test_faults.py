@@ -4,7 +4,6 @@ goes on with no token lost or doubled; a client that leaves frees its blocks eve
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,7 +14,7 @@ from openai import OpenAI
 from services.launcher import Stack
 from shared.protocol import WorkerStatus
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
-from tests.services.stacks import FAST_HEARTBEAT, live_workers, metric_value, request_holders, running_stack
+from tests.services.stacks import FAST_HEARTBEAT, HolderKiller, live_workers, metric_value, running_stack, streamed_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -59,20 +58,7 @@ def assert_clean(rds: redis.Redis, keys: Keys) -> None:
 
 
 def seeded(client: OpenAI, model: str, on_token: Callable[[int], None] = lambda n: None) -> str:
-    stream = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=1.0, seed=11, stream=True,
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
-    )
-    text, num_chunks, usage = "", 0, None
-    for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            num_chunks += 1
-            on_token(num_chunks)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None and usage.completion_tokens == NUM_TOKENS
-    return text
+    return streamed_text(client, model, PROMPT, NUM_TOKENS, on_token, temperature=1.0, seed=11)
 
 
 def test_a_decode_worker_killed_mid_generation_has_its_request_migrated_seamlessly(
@@ -81,21 +67,13 @@ def test_a_decode_worker_killed_mid_generation_has_its_request_migrated_seamless
     keys = stack.keys
     expected = seeded(client, model)
     assert_clean(rds, keys)  # heartbeats lag up to an interval: the first run's holder must read idle first
-    victims: list[str] = []
-
-    def kill_holder(num_chunks: int) -> None:
-        if num_chunks != 8 or victims:
-            return
-        holders = request_holders(rds, keys, "decode")
-        assert len(holders) == 1, f"expected one decode worker holding the request, got {holders}"
-        victims.append(holders[0])
-        assert stack.stop_worker(holders[0], signal.SIGKILL) < 0
+    kill_holder = HolderKiller(stack, rds, "decode")
 
     text = seeded(client, model, kill_holder)
 
-    assert len(victims) == 1
+    assert len(kill_holder.victims) == 1
     assert text == expected  # no token lost, none doubled, and the seed holds across the take-over
-    assert [s.worker_id for s in live_decode(rds, keys)] != victims
+    assert [s.worker_id for s in live_decode(rds, keys)] != kill_holder.victims
     assert metric_value(stack, "llmd_migrations_total", "model_name") == 1
     assert_clean(rds, keys)
     stack.add_worker("decode")  # back to two for the next test
