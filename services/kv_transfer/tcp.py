@@ -237,7 +237,12 @@ class TcpReceiver:
 
     async def _serve(self, conn: socket.socket, host: str) -> None:
         with conn:
-            if not await self.is_peer(host):
+            try:
+                known = await self.is_peer(host)
+            except Exception as e:  # Redis unreachable: nobody is known
+                logger.warning("refused a KV connection from %s: could not check the live workers (%s)", host, e)
+                return
+            if not known:
                 logger.warning("refused a KV connection from %s: no live worker's heartbeat names that address", host)
                 return
             conn.setblocking(True)

@@ -33,7 +33,7 @@ class Reservations:
     """Plays the decode worker's side of the receiver: one reservation, scattered over views."""
 
     into: torch.Tensor = field(default_factory=lambda: torch.zeros(4 * (SEGMENT + GAP), dtype=torch.uint8))
-    known_peer: bool = True
+    known_peer: bool | None = True  # None: the check fails (Redis unreachable)
     settled: list[tuple[str, str | None]] = field(default_factory=list)
     settled_event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -43,6 +43,8 @@ class Reservations:
         return [whole[i * (SEGMENT + GAP) : i * (SEGMENT + GAP) + SEGMENT] for i in range(4)]
 
     async def is_peer(self, host: str) -> bool:
+        if self.known_peer is None:
+            raise ConnectionError("Redis is unreachable")
         return self.known_peer
 
     async def claim(self, header: TransferHeader, host: str) -> list[memoryview]:
@@ -108,9 +110,11 @@ async def test_an_announced_size_other_than_the_reservations_is_refused(
     assert not reservations.into.any() and reservations.settled == []
 
 
-async def test_an_address_no_heartbeat_names_is_not_even_read(receiver: tuple[TcpReceiver, Reservations]) -> None:
+@pytest.mark.parametrize("known_peer", [False, None])
+async def test_an_address_no_heartbeat_names_is_not_even_read(receiver: tuple[TcpReceiver, Reservations],
+                                                              known_peer: bool | None) -> None:
     rx, reservations = receiver
-    reservations.known_peer = False
+    reservations.known_peer = known_peer
     with pytest.raises(KVTransferError, match="failed"):
         await send(rx, header(), payload())
     assert not reservations.into.any() and reservations.settled == []
