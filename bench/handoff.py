@@ -1,7 +1,7 @@
 """Comparison e: the prefill -> decode KV handoff, by prompt length.
 
     python -m bench.handoff [--lengths 128,512,2048,7168 --requests-per-length 4 --output-len 4 --seed 0]
-                            [--transport shm|redis]
+                            [--transport shm|tcp|redis]
 
 One stack (1 prefill + 1 decode worker, prefix caching off, every prompt fresh random tokens, so
 each request moves its whole KV). For each length, one untimed warm-up, then the requests one at
@@ -9,9 +9,10 @@ a time; the prefill worker's /metrics before and after give per length:
 
 - KV bytes per request (llmd_handoff_bytes) and per prompt token;
 - handoff seconds (llmd_handoff_seconds): from the end of the request's prefill to KVReady sent,
-  i.e. offer, the decode worker's accept, reading the blocks and writing them to the workers'
-  shared /dev/shm or, with --transport redis, to Redis (services/prefill/worker.py::_observe_handoff);
-  MiB/s = bytes / those seconds;
+  i.e. offer, the decode worker's accept, and moving the blocks: into the workers' shared
+  /dev/shm (shm), over the decode worker's data port straight into its reserved blocks (tcp), or
+  into Redis (redis) (services/prefill/worker.py::_observe_handoff); MiB/s = bytes / those seconds;
+  every byte must go by the chosen transport (llmd_handoff_bytes{transport}), or the run fails;
 - TTFT on the prefill worker (vllm:time_to_first_token_seconds: requests stream -> first token).
 
 The first token is sent before the handoff starts, so TTFT does not wait for it: the handoff
@@ -51,6 +52,7 @@ from bench.stack_harness import (
 from services.launcher import Stack
 
 NAME = "handoff"
+TRANSPORTS = ("shm", "tcp", "redis")
 MIB = 2**20
 COUNTERS = (
     "llmd_handoff_bytes_total",
@@ -114,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmups", type=int, default=1, help="untimed requests per length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=NAME, help="results go to bench/results/NAME.json and NAME.png")
-    parser.add_argument("--transport", default="shm", choices=("shm", "redis"),
-                        help="shm: the workers' shared /dev/shm (the default on one host); redis: Redis only")
+    parser.add_argument("--transport", default="shm", choices=TRANSPORTS,
+                        help="shm: the workers' shared /dev/shm (the default on one host); tcp: the decode worker's "
+                        "data port (the default across hosts); redis: Redis only")
     return parser
 
 
@@ -131,7 +134,15 @@ def run_length(stack: Stack, prompt_len: int, args: argparse.Namespace, seed: in
     metrics, results = run_load(stack.base_url, requests, LoadSpec(max_concurrency=1))
     after = scrape_workers(stack, "prefill")
     counters = {name: metric_sum(after, name) - metric_sum(before, name) for name in COUNTERS}
+    elsewhere = {t: n for t in TRANSPORTS if t != args.transport and (n := bytes_by(after, t) - bytes_by(before, t))}
+    if elsewhere:
+        raise RuntimeError(f"KV bytes went by {elsewhere}, not only by {args.transport}")
     return LengthRun(prompt_len, metrics, results, counters)
+
+
+def bytes_by(samples: dict[str, float], transport: str) -> float:
+    label = f'transport="{transport}"'
+    return sum(v for k, v in samples.items() if k.startswith("llmd_handoff_bytes_total{") and label in k)
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:
@@ -182,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"(got {args.requests_per_length}) and --warmups >= 0 (got {args.warmups})")  # fmt: skip
     print(f"starting a stack (1 prefill + 1 decode, prefix caching off, KV through {args.transport})",
           file=sys.stderr, flush=True)
-    env = {"LLMD_KV_CACHE__ENABLE_PREFIX_CACHING": "false"}
-    if args.transport == "redis":
-        env["LLMD_WORKER__KV_SHM_DIR"] = ""
+    env = {"LLMD_KV_CACHE__ENABLE_PREFIX_CACHING": "false", "LLMD_WORKER__KV_TRANSPORT": args.transport}
     with Stack(stack_config(env)) as stack:
         # a seed per length: prompts of different lengths share no tokens
         runs = [run_length(stack, n, args, args.seed + i) for i, n in enumerate(lengths)]

@@ -29,7 +29,7 @@ from redis.exceptions import ResponseError
 
 from services.engine_thread import EngineThread
 from services.health import create_health_app
-from services.kv_connector import kv_transports
+from services.kv_transfer import kv_transports
 from shared.engine.engine import RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.loader import ModelNotFoundError, resolve_model_path
@@ -118,9 +118,7 @@ class Worker:
         self.bus = Bus(settings.redis)
         self.keys = self.bus.keys
         self.inbox = self.keys.inbox(self.worker_id)
-        # what KV handoffs go through; the blobs outlive a handoff's timeout so a slow reader still finds them
-        self.kv = kv_transports(self.bus.redis, self.keys, settings.redis.namespace, settings.worker.kv_shm_dir,
-                                ttl_s=settings.worker.handoff_timeout_s * 3)
+        self.kv = kv_transports(self.bus.redis, self.keys, settings.redis.namespace, settings.worker, self.worker_id)
         self.engine = EngineThread()
         self.metrics = WorkerMetrics(model_name(settings), self.worker_id)
         self.draining = False
@@ -180,7 +178,7 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
         await self._start_health_server()
-        self.kv.start()
+        await self.kv.start()
         # from now on, not from the first heartbeat: a model's first load (converting it into the
         # disk cache) can outlast the marker's TTL, and a neighbour would sweep the marker meanwhile
         self._tasks = [self._spawn_forever(self._kv_marker_loop())]
@@ -230,7 +228,7 @@ class Worker:
             logger.warning("could not deregister (%s); the heartbeat will lapse on its own", e)
         if self._health_runner is not None:
             await self._health_runner.cleanup()
-        self.kv.close()
+        await self.kv.close()
         await self.bus.close()
         self.engine.shutdown()
 
@@ -360,7 +358,10 @@ class Worker:
             busy_s=self.engine.busy_s,
             num_steps=self.engine.num_steps,
             num_prefilled=self.num_prefilled,
+            kv_transports=self.kv.names,
             kv_shm=self.kv.shm_token,
+            kv_host=self.kv.host,
+            kv_port=self.kv.port,
         )
 
     def beat_now(self) -> None:

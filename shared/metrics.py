@@ -14,7 +14,7 @@ from shared.engine.engine import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("model_name", "worker_id")
-KV_TRANSPORTS = ("shm", "redis")  # the `transport` label of llmd_handoff_bytes
+KV_TRANSPORTS = ("shm", "tcp", "redis")  # the `transport` label of llmd_handoff_bytes (services/kv_transfer)
 
 
 class WorkerMetrics:
@@ -53,6 +53,10 @@ class WorkerMetrics:
         )
         # every transport's series from the start, so that a zero reads as "none went this way"
         self.handoff_bytes = {t: handoff_bytes.labels(**labels, transport=t) for t in KV_TRANSPORTS}
+        self.handoff_failures = counter(
+            "llmd_handoff_failures", "Direct KV transfers that failed (the decode worker died, stalled or refused "
+            "them); each request was offered to another decode worker."
+        )
         self.handoff_seconds = histogram(
             "llmd_handoff_seconds", "From a request's prefill finishing to its KV being ready on a decode worker."
         )

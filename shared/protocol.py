@@ -6,7 +6,7 @@ Each message is a msgpack map carrying `v` (schema version) and `type`. Flow of 
   prefill --TokenUpdate(first token)--> replies:<gateway_id>          (TTFT does not wait for decode)
   prefill --HandoffOffer--> inbox:<decode_id>                         (decode picked by load)
   decode  --HandoffAccept(needed block positions | rejected)--> inbox:<prefill_id>
-  prefill --KV bytes via the KV connector, then KVReady--> inbox:<decode_id>
+  prefill --KV bytes (tmpfs, data port or Redis: services/kv_transfer), then KVReady--> inbox:<decode_id>
   decode  --TokenUpdate(batched per gateway, every step)--> replies:<gateway_id>
   gateway --Cancel--> inbox of the worker holding the request (and a cancel mark for queued ones)
 
@@ -170,7 +170,8 @@ class HandoffAccept(Message):
     attempt: int
     decode_id: str
     needed_blocks: list[int] | None  # None: rejected, offer it elsewhere
-    kv_shm: str = ""  # the decode worker's shared-memory marker (services/kv_connector.py); empty: Redis only
+    kv_shm: str = ""  # the decode worker's shared-memory marker (services/kv_transfer); empty: none
+    kv_token: str = ""  # one-time token a TCP transfer into these blocks must show; empty: no TCP
     refused: str = ""  # why this worker can never take the offer (a KV cache dtype mismatch); empty: it may
 
 
@@ -218,4 +219,7 @@ class WorkerStatus(Message):
     busy_s: float = 0.0  # seconds spent in engine steps that computed something
     num_steps: int = 0
     num_prefilled: int = 0  # requests whose first token this worker computed
-    kv_shm: str = ""  # its shared-memory marker (services/kv_connector.py); empty: no shared tmpfs
+    kv_transports: list[str] = field(default_factory=list)  # what it speaks, best first (services/kv_transfer)
+    kv_shm: str = ""  # its shared-memory marker; empty: no shared tmpfs
+    kv_host: str = ""  # its address for KV: where its data port listens, where its KV connections come from
+    kv_port: int | None = None  # a decode worker's KV data port; None: it receives no KV over TCP

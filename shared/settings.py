@@ -133,7 +133,17 @@ class WorkerSettings(BaseModel):
     handoff_timeout_s: float = Field(10.0, gt=0, description="bound on waiting for the other side of a KV handoff")
     kv_shm_dir: str = Field(
         "/dev/shm", description="tmpfs through which KV handoffs go between workers that share it (one host, or "
-        "containers given one /dev/shm); Redis carries the rest; empty = always Redis")
+        "containers given one /dev/shm); empty = no shared tmpfs: KV goes over the data port")
+    kv_transport: Literal["auto", "shm", "tcp", "redis"] = Field(
+        "auto", description="auto: shared tmpfs where the two workers share one, else the data port, Redis only "
+        "when neither works; shm or tcp: that one or Redis; redis: always Redis")
+    kv_tcp_host: str = Field(
+        "127.0.0.1", description="listen address of a decode worker's KV data port (0.0.0.0 in containers)")
+    kv_tcp_port: int = Field(0, ge=0, le=65535, description="the KV data port; 0 picks a free one")
+    kv_tcp_advertise: str = Field(
+        "", description="address other workers reach this one at and see its KV connections come from (default: "
+        "kv_tcp_host, or this host's address when that is 0.0.0.0); a decode worker accepts KV only from addresses "
+        "that live prefill workers advertise")
     stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
     cpus: str = Field("", description="CPUs the worker runs on, e.g. '0', '0-1' or '0,2'; empty = any")
     elastic_threads: bool = Field(

@@ -1,25 +1,32 @@
 """Decode worker: KV in from prefill workers, tokens out to the gateways, one step at a time.
 
-    inbox --HandoffOffer--> reserve blocks --HandoffAccept(needed positions | None)--> prefill inbox
-    inbox --KVReady-------> fetch bytes, write blocks, commit: the request joins the next step
+    inbox --HandoffOffer--> reserve blocks --HandoffAccept(needed positions | None, transfer token)--> prefill inbox
+    data port ------------> token checked against the reservation, bytes straight into its blocks
+    inbox --KVReady-------> fetch bytes and write blocks (tmpfs, Redis), commit: the request joins the next step
     inbox --Cancel--------> abort: its blocks are free before the next step
     every step -----------> one TokenBatch per gateway, sent while the next step runs
 
 A reservation whose KVReady does not come within handoff_timeout_s is aborted, so a prefill
 worker that dies mid-handoff cannot pin blocks here; the gateway is told (a clear error) unless
-that prefill worker died, in which case another one re-runs the request it left pending.
+that prefill worker died, in which case another one re-runs the request it left pending. A
+transfer over the data port that fails frees the reservation at once and tells nobody: the
+prefill worker, if alive, offers the request elsewhere, and if dead, its request is re-run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 
-from services.kv_connector import KVTransferError
+import torch
+
+from services.decode.reservation import Reservation
+from services.kv_transfer import KVTransferError, TransferHeader
 from services.token_stream import Active, TokenStream
 from services.worker_base import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
@@ -38,16 +45,6 @@ from shared.settings import WorkerServiceSettings
 from shared.streams import INBOX_GROUP
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class Reservation:
-    """Blocks held for an offered request until its KV arrives."""
-
-    offer: HandoffOffer
-    needed_blocks: list[int]  # block-table positions the KV must be sent for
-    block_ids: list[int]  # the pool blocks at those positions
-    expiry: asyncio.TimerHandle
 
 
 @dataclass(slots=True)
@@ -100,6 +97,7 @@ class DecodeWorker(Worker):
         self._in_turn: dict[str, asyncio.Task[None]] = {}  # each request's latest offer or cancel being handled
         self.tokens = TokenStream(self)
         self._tally = Tally()
+        self.kv.listen(self._is_kv_peer, self._claim_kv, self._kv_settled)
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
         inbox = self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped)
@@ -158,7 +156,7 @@ class DecodeWorker(Worker):
     async def _on_offer(self, offer: HandoffOffer) -> None:
         held = self._reserved.get(offer.req_id)
         if held is not None and held.offer.attempt == offer.attempt:  # re-offered after our answer got lost
-            await self._answer(offer, held.needed_blocks)
+            await self._answer(offer, held)
             return
         known_attempt = self._known_attempt(offer.req_id)
         if known_attempt is not None:
@@ -170,8 +168,7 @@ class DecodeWorker(Worker):
             logger.error("refusing %s: %s", offer.req_id, mismatch)
             await self._answer(offer, None, refused=mismatch)
             return
-        needed = None if self.draining else await self._reserve(offer)
-        await self._answer(offer, needed)
+        await self._answer(offer, None if self.draining else await self._reserve(offer))
 
     def _kv_mismatch(self, offer: HandoffOffer) -> str | None:
         """Why blocks stored as the offer says cannot land in this pool, or None: they move as raw
@@ -189,7 +186,7 @@ class DecodeWorker(Worker):
             return active.attempt
         return None
 
-    async def _reserve(self, offer: HandoffOffer) -> list[int] | None:
+    async def _reserve(self, offer: HandoffOffer) -> Reservation | None:
         try:
             reserved = await self.engine.call_between_layers(reserve_kv, self.engine.engine, handoff_from_offer(offer))
         except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
@@ -202,11 +199,15 @@ class DecodeWorker(Worker):
         expiry = asyncio.get_running_loop().call_later(
             self.settings.worker.handoff_timeout_s, self._expire, offer.req_id, offer.attempt
         )
-        self._reserved[offer.req_id] = Reservation(offer, needed, block_ids, expiry)
-        return needed
+        token = secrets.token_hex(16) if self.kv.port is not None else ""
+        held = self._reserved[offer.req_id] = Reservation(offer, needed, block_ids, expiry, token)
+        return held
 
-    async def _answer(self, offer: HandoffOffer, needed: list[int] | None, refused: str = "") -> None:
-        accept = HandoffAccept(offer.req_id, offer.attempt, self.worker_id, needed, self.kv.shm_token, refused)
+    async def _answer(self, offer: HandoffOffer, held: Reservation | None, refused: str = "") -> None:
+        accept = HandoffAccept(
+            offer.req_id, offer.attempt, self.worker_id, None if held is None else held.needed_blocks,
+            kv_shm=self.kv.shm_token, kv_token="" if held is None else held.token, refused=refused,
+        )
         await self.send(self.keys.inbox(offer.prefill_id), accept)
 
     def _expire(self, req_id: str, attempt: int) -> None:
@@ -216,8 +217,14 @@ class DecodeWorker(Worker):
         del self._reserved[req_id]
         error = f"its KV did not arrive from {held.offer.prefill_id} within {self.settings.worker.handoff_timeout_s}s"
         logger.warning("giving up on %s: %s; its reserved blocks are free", req_id, error)
-        self.spawn(self.engine.call(self.engine.engine.abort_request, req_id))
-        self.spawn(self._fail_unless_reclaimed(held.offer, error))
+        self.spawn(self._free(req_id, attempt))
+        if not held.receiving:  # a sender that is still connected learns it failed, and offers it elsewhere
+            self.spawn(self._fail_unless_reclaimed(held.offer, error))
+
+    async def _free(self, req_id: str, attempt: int) -> None:
+        """Free the blocks of a reservation already dropped from `_reserved`, once no transfer writes them."""
+        await self.kv.stop_receiving(req_id, attempt)
+        await self.engine.call(self.engine.engine.abort_request, req_id)
 
     async def _fail_unless_reclaimed(self, offer: HandoffOffer, error: str) -> None:
         """Tell the gateway, so the request ends instead of waiting for its deadline; unless the
@@ -235,7 +242,7 @@ class DecodeWorker(Worker):
             await self._discard(msg.location)
             return
         try:
-            data = await self.kv.get(msg.location) if msg.block_positions else None
+            data = await self._fetch(held, msg)
         except KVTransferError as e:
             await self._abort(msg.req_id, str(e))
             await self._fail(held.offer, f"KV transfer failed: {e}")
@@ -274,6 +281,39 @@ class DecodeWorker(Worker):
             logger.debug("imported %s: %d blocks, %d bytes", msg.req_id, len(msg.block_positions), msg.num_bytes)
         await self._discard(msg.location)
 
+    async def _fetch(self, held: Reservation, msg: KVReady) -> torch.Tensor | None:
+        """The KV to write into the reserved blocks; None when there is nothing to write (no
+        blocks were sent, or they landed in the blocks over the data port)."""
+        if not msg.block_positions:
+            return None
+        if self.kv.transport_of(msg.location) != "tcp":
+            return await self.kv.get(msg.location)
+        if not held.landed:
+            raise KVTransferError(f"KVReady of {msg.req_id} came before all of its bytes did")
+        return held.staging
+
+    # -- the data port -----------------------------------------------------------------------------
+
+    async def _is_kv_peer(self, host: str) -> bool:
+        """Whether a live prefill worker's heartbeat names `host` as its KV address."""
+        return any(s.kv_host == host for s in await self.bus.live_workers("prefill"))
+
+    async def _claim_kv(self, header: TransferHeader, host: str) -> list[memoryview]:
+        held = self._reserved.get(header.req_id)
+        if held is None or held.offer.attempt != header.attempt:
+            raise KVTransferError(f"no reservation for {header.req_id!r} attempt {header.attempt}")
+        return held.claim(header, host, self.engine.engine)
+
+    async def _kv_settled(self, header: TransferHeader, error: str | None) -> None:
+        held = self._reserved.get(header.req_id)
+        if held is None or held.offer.attempt != header.attempt:
+            return  # cancelled or expired meanwhile: its blocks are freed by whoever dropped it
+        held.receiving = False
+        if error is None:
+            held.landed = True
+        else:
+            await self._abort(header.req_id, f"its KV transfer failed: {error}")
+
     async def _on_cancel(self, msg: Cancel) -> None:
         held_attempt = self._known_attempt(msg.req_id)
         if held_attempt is None:
@@ -288,6 +328,7 @@ class DecodeWorker(Worker):
         held = self._reserved.pop(req_id, None)
         if held is not None:
             held.expiry.cancel()
+            await self.kv.stop_receiving(req_id, held.offer.attempt)  # freed blocks may go to another request
         self.tokens.active.pop(req_id, None)
         if (write := self._writing.get(req_id)) is not None:
             await asyncio.wait([write])  # freed blocks may go to another request: never while written to

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from services.kv_transfer import KVPeer
 from shared.engine.engine import Handoff
 from shared.protocol import GenerateRequest
 
@@ -49,7 +50,7 @@ class Tracked:
     arrived_at: float  # unix time it entered the requests stream
     prefilled_at: float | None = None  # monotonic
     decode_id: str | None = None  # the decode worker that reserved blocks for it
-    decode_shm: str = ""  # its shared-memory marker (HandoffAccept.kv_shm)
+    peer: KVPeer | None = None  # how to reach it with the KV: its heartbeat's and its accept's KV fields
     cancelled: bool = False
     handoff: asyncio.Task[None] | None = None
     # taken on the engine thread right after the step that finished its prefill

@@ -5,9 +5,10 @@ to a decode worker.
                                            |
                     own inbox <-- HandoffAccept <-- decode inbox <-- HandoffOffer
                                            |
-                    KV bytes (connector) + KVReady --> decode inbox; release; XACK
+                    KV bytes (services/kv_transfer) + KVReady --> decode inbox; release; XACK
 
-A request's entry is acknowledged only once it finished here or its handoff is complete, so the
+A direct (TCP) transfer that fails, because the decode worker died, stalled or refused it, is
+offered to another decode worker (MAX_PLACEMENTS in all). A request's entry is acknowledged only once it finished here or its handoff is complete, so the
 entries of a worker that dies stay pending and another prefill worker claims them (reclaim.py).
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Coroutine
@@ -24,6 +24,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from services.kv_transfer import KVPeer, KVSource, KVTransferError
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
 from services.prefill.tracked import MIB, Tally, Tracked, entry_time
@@ -39,12 +40,14 @@ from shared.protocol import (
     Message,
     TokenBatch,
     TokenUpdate,
+    WorkerStatus,
 )
 from shared.settings import WorkerServiceSettings
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, REDIS_ERRORS, with_backoff
 
 logger = logging.getLogger(__name__)
 
+MAX_PLACEMENTS = 3  # decode workers one handoff tries when its direct transfers fail
 INTAKE_BATCH = 4  # entries per read: small, so that idle prefill workers share a burst
 MAX_REMEMBERED_HANDOFFS = 4096
 
@@ -255,14 +258,23 @@ class PrefillWorker(Worker):
     async def _hand_off(self, t: Tracked) -> None:
         try:
             offer = await self._offer_message(t)
-            decode_id, needed = await self._place(t, offer)
-            if decode_id is None or needed is None:
-                return
-            if t.cancelled:  # while the accept was on its way: that worker holds blocks for nothing
-                cancel = Cancel(t.req_id, "cancelled during the handoff", t.msg.attempt)
-                await self.send(self.keys.inbox(decode_id), cancel)
-                return
-            await self._transfer(t, decode_id, needed)
+            failed: set[str] = set()  # decode workers a transfer of this request to failed
+            while True:
+                decode_id, needed = await self._place(t, offer, failed)
+                if decode_id is None or needed is None:
+                    return
+                if t.cancelled:  # while the accept was on its way: that worker holds blocks for nothing
+                    cancel = Cancel(t.req_id, "cancelled during the handoff", t.msg.attempt)
+                    await self.send(self.keys.inbox(decode_id), cancel)
+                    return
+                try:
+                    await self._transfer(t, decode_id, needed)
+                    return
+                except KVTransferError as e:
+                    if t.cancelled or len(failed) + 1 >= MAX_PLACEMENTS:
+                        raise
+                    failed.add(decode_id)
+                    await self._transfer_failed(t, decode_id, e)
         except Exception as e:
             if not t.cancelled:
                 logger.exception("handoff of %s failed", t.req_id)
@@ -282,8 +294,20 @@ class PrefillWorker(Worker):
             num_blocks=h.num_blocks, deadline=t.msg.deadline, kv_cache_dtype=self.engine.engine.kv_format.name,
         )
 
-    async def _place(self, t: Tracked, offer: HandoffOffer) -> tuple[str | None, list[int] | None]:
-        """Offer the request to decode workers, least loaded first, until one reserves blocks.
+    async def _transfer_failed(self, t: Tracked, decode_id: str, error: KVTransferError) -> None:
+        """A direct transfer failed (the decode worker died, stalled or refused it): that worker
+        frees what it reserved, and the request is offered to another one."""
+        logger.warning("the KV of %s did not reach %s (%s); offering it to another decode worker", t.req_id,
+                       decode_id, error)
+        self.metrics.handoff_failures.inc()
+        t.decode_id = None
+        await self.send(self.keys.inbox(decode_id), Cancel(t.req_id, "its KV transfer failed", t.msg.attempt))
+
+    async def _place(
+        self, t: Tracked, offer: HandoffOffer, failed: set[str]
+    ) -> tuple[str | None, list[int] | None]:
+        """Offer the request to decode workers but the `failed` ones, least loaded first, until one
+        reserves blocks.
 
         Full workers are retried with backoff until the request's deadline; no decode worker at
         all for handoff_timeout_s is an error, and so is a round in which every one refused the
@@ -296,9 +320,9 @@ class PrefillWorker(Worker):
             if t.msg.deadline is not None and t.msg.deadline < time.time():
                 await self._fail(t, "the request's deadline passed while waiting for a decode worker")
                 return None, None
-            candidates = await with_backoff(
+            candidates = [s for s in await with_backoff(
                 lambda: self.picker.candidates(offer.num_blocks), "listing decode workers", self.stopped
-            ) or []
+            ) or [] if s.worker_id not in failed]
             if candidates:
                 alone_since = None
             else:
@@ -309,7 +333,7 @@ class PrefillWorker(Worker):
             refusals: list[str] = []
             for status in candidates:
                 try:
-                    needed = await self._offer(t, offer, status.worker_id)
+                    needed = await self._offer(t, offer, status)
                 except HandoffRefused as e:
                     refusals.append(str(e))
                     continue
@@ -324,7 +348,8 @@ class PrefillWorker(Worker):
             delay = min(delay * 2, 1.0)
         return None, None
 
-    async def _offer(self, t: Tracked, offer: HandoffOffer, decode_id: str) -> list[int] | None:
+    async def _offer(self, t: Tracked, offer: HandoffOffer, status: WorkerStatus) -> list[int] | None:
+        decode_id = status.worker_id
         future = self.accepts.expect(t.req_id, t.msg.attempt, decode_id)
         try:
             await self.send(self.keys.inbox(decode_id), offer)
@@ -341,21 +366,22 @@ class PrefillWorker(Worker):
             logger.debug("decode worker %s has no room for %s", decode_id, t.req_id)
             return None
         t.decode_id = decode_id
-        t.decode_shm = accept.kv_shm
+        t.peer = KVPeer(decode_id, accept.kv_shm, status.kv_host, status.kv_port, accept.kv_token)
         self.picker.record(decode_id, offer.num_blocks)
         return accept.needed_blocks
 
     async def _transfer(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
         location, num_bytes = "", 0
         if needed:
-            assert t.kv_block_ids is not None
+            assert t.kv_block_ids is not None and t.peer is not None
             engine, block_ids = self.engine.engine, [t.kv_block_ids[i] for i in needed]
-            shape, dtype = engine.kv_blocks_shape(len(block_ids)), engine.kv_dtype
-            num_bytes = math.prod(shape) * dtype.itemsize
-            # the copy runs off the engine thread (see Engine.read_blocks): it does not wait for the step in progress
-            location = await self.kv.put(
-                t.req_id, t.msg.attempt, shape, dtype, lambda out: engine.read_blocks(block_ids, out), t.decode_shm
-            )
+            # read off the engine thread (see Engine.read_blocks): it does not wait for the step in progress
+            source = KVSource(
+                engine.kv_blocks_shape(len(block_ids)), engine.kv_dtype,
+                read=lambda out: engine.read_blocks(block_ids, out), views=lambda: engine.kv_block_views(block_ids),
+            )  # fmt: skip
+            num_bytes = source.num_bytes
+            location = await self.kv.put(t.req_id, t.msg.attempt, source, t.peer)
         if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
             await self.kv.discard(location)
             return

@@ -315,6 +315,13 @@ class Engine:
         """
         return self.runner.read_blocks(block_ids, out)
 
+    def kv_block_views(self, block_ids: list[int]) -> list[memoryview] | None:
+        """The bytes `read_blocks` gives, as writable views of the pool itself (None where the
+        pool is not in host memory): a transport sends from a prefilled request's blocks and
+        receives into an imported request's reserved blocks without a copy, under the rules of
+        `read_blocks` and `write_blocks`."""
+        return self.runner.block_views(block_ids)
+
     def kv_blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The shape `read_blocks` gives that many blocks."""
         return self.runner.blocks_shape(num_blocks)

@@ -178,6 +178,22 @@ class ModelRunner:
         for i, block in enumerate(block_ids):
             pool[:, :, block] = src[i]
 
+    def block_views(self, block_ids: list[int]) -> list[memoryview] | None:
+        """The pool's own bytes of these blocks, writable, in the order `read_blocks` lays them
+        out (block, then layer, then K and V); None where the pool is not in host memory. A
+        transport sends from them or receives into them with no copy; the rules of
+        `Engine.read_blocks` and `Engine.write_blocks` apply."""
+        if self.device.type != "cpu":
+            return None
+        # pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: one block of one
+        # layer's K or V is `segment` contiguous bytes
+        num_layers, _, num_pool_blocks = self.kv_cache.shape[:3]
+        flat = memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
+        segment = len(flat) // (num_layers * 2 * num_pool_blocks)
+        starts = [(layer_kv * num_pool_blocks + block) * segment
+                  for block in block_ids for layer_kv in range(num_layers * 2)]
+        return [flat[start : start + segment] for start in starts]
+
     def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
 

@@ -48,7 +48,7 @@ def test_workers_can_be_scaled(cpu: dict[str, Any], service: str) -> None:
     spec = cpu["services"][service]
     assert "container_name" not in spec
     assert "ports" not in spec
-    assert spec["expose"] == ["9100"]
+    assert spec["expose"] == ["9100", "9200"]
 
 
 @pytest.mark.parametrize("service", WORKERS)
@@ -57,6 +57,14 @@ def test_workers_hand_kv_off_through_one_shared_tmpfs(cpu: dict[str, Any], servi
     assert spec["environment"]["LLMD_WORKER__KV_SHM_DIR"] == "/kv-shm"
     assert {"type": "volume", "source": "kv-shm", "target": "/kv-shm", "volume": {}} in spec["volumes"]
     assert cpu["volumes"]["kv-shm"]["driver_opts"]["type"] == "tmpfs"
+
+
+@pytest.mark.parametrize("service", WORKERS)
+def test_workers_open_the_kv_data_port_to_the_other_containers_only(cpu: dict[str, Any], service: str) -> None:
+    spec = cpu["services"][service]
+    env = spec["environment"]
+    assert (env["LLMD_WORKER__KV_TCP_HOST"], env["LLMD_WORKER__KV_TCP_PORT"]) == ("0.0.0.0", "9200")
+    assert "9200" in spec["expose"] and "ports" not in spec
 
 
 def test_only_the_gateway_publishes_a_port(cpu: dict[str, Any]) -> None:

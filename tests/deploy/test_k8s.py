@@ -56,7 +56,7 @@ def test_kustomize_output_matches_the_kubernetes_schema(
     assert sorted((doc["kind"], doc["metadata"]["name"]) for doc in rendered if doc["kind"] != "ConfigMap") == [
         ("Deployment", "decode"), ("Deployment", "gateway"), ("Deployment", "prefill"), ("Deployment", "redis"),
         ("HorizontalPodAutoscaler", "decode"), ("HorizontalPodAutoscaler", "prefill"),
-        ("Service", "gateway"), ("Service", "redis"),
+        ("NetworkPolicy", "decode-kv-transfer"), ("Service", "gateway"), ("Service", "redis"),
     ]
     for doc in rendered:
         for version in KUBERNETES_VERSIONS:
@@ -100,10 +100,34 @@ def test_gateway_is_ready_on_ready_and_alive_on_health(deployments: dict[str, di
 def test_workers_are_probed_on_their_health_port(deployments: dict[str, dict[str, Any]], name: str) -> None:
     worker = container(deployments[name])
     assert worker["command"] == ["python", "-m", f"services.{name}"]
-    assert worker["ports"] == [{"name": "metrics", "containerPort": 9100}]
+    assert worker["ports"][0] == {"name": "metrics", "containerPort": 9100}
     assert {"name": "LLMD_WORKER__HEALTH_PORT", "value": "9100"} in worker["env"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert worker[probe]["httpGet"] == {"path": "/health", "port": "metrics"}, probe
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(deployment)["env"]}
+
+
+@pytest.mark.parametrize("name", WORKERS)
+def test_kv_goes_pod_to_pod_over_the_decode_data_port(deployments: dict[str, dict[str, Any]], name: str) -> None:
+    env = env_of(deployments[name])
+    assert env["LLMD_WORKER__KV_SHM_DIR"] == ""  # pods share no tmpfs
+    assert env["LLMD_WORKER__KV_TCP_ADVERTISE"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    decode = env_of(deployments["decode"])
+    assert (decode["LLMD_WORKER__KV_TCP_HOST"], decode["LLMD_WORKER__KV_TCP_PORT"]) == ("0.0.0.0", "9200")
+    assert container(deployments["decode"])["ports"][1] == {"name": "kv", "containerPort": 9200}
+
+
+def test_only_prefill_pods_reach_the_kv_data_port(docs: list[dict[str, Any]]) -> None:
+    policy = by_kind(docs, "NetworkPolicy")["decode-kv-transfer"]["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    kv, metrics = policy["ingress"]
+    assert kv["ports"] == [{"port": 9200, "protocol": "TCP"}]
+    assert kv["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "llmd", "app.kubernetes.io/component": "prefill"}}}]
+    assert metrics == {"ports": [{"port": 9100, "protocol": "TCP"}]}
 
 
 @pytest.mark.parametrize("name", WORKERS)

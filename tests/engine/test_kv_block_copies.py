@@ -115,3 +115,25 @@ def test_copies_on_a_helper_thread_start_no_openmp_threads(loaded_model: LoadedM
         helper.submit(target.write_blocks, list(range(16, 32)), data).result()
         helper.submit(source.read_blocks, list(range(16)), torch.empty_like(data)).result()
         assert num_threads() == threads_before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_block_views_are_the_pools_own_bytes_in_read_blocks_order(loaded_model: LoadedModel, dtype: str) -> None:
+    # what a transport sends from and receives into: the bytes read_blocks gives, and writing
+    # them writes the pool
+    source, target = make_engine(loaded_model, dtype), make_engine(loaded_model, dtype)
+    filled(source, 4)
+    target_pool = filled(target, 5)
+    before = target_pool.clone()
+    views = source.kv_block_views([7, 0, 3])
+    assert views is not None
+    assert b"".join(views) == source.read_blocks([7, 0, 3]).view(torch.uint8).numpy().tobytes()
+
+    into = target.kv_block_views([2, 9, 4])
+    assert into is not None and [len(v) for v in into] == [len(v) for v in views]
+    for dst, src in zip(into, views, strict=True):
+        dst[:] = src
+
+    assert torch.equal(target.read_blocks([2, 9, 4]), source.read_blocks([7, 0, 3]))
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (2, 9, 4)]
+    assert torch.equal(target_pool[:, :, untouched], before[:, :, untouched])

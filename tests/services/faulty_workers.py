@@ -2,26 +2,34 @@
 tests/services/test_fault_handoff.py. Configured from LLMD_* variables like any worker:
 
     python -m tests.services.faulty_workers prefill-dies-after-accept
-    python -m tests.services.faulty_workers decode-dies-on-kv-ready
+    python -m tests.services.faulty_workers decode-dies-on-kv-ready   (and the others in FAULTS)
 
 prefill-dies-after-accept: a decode worker accepted its offer and holds a reservation; the KV
 never comes. decode-dies-on-kv-ready: it accepted an offer and the KV is ready, but it dies before
 importing it (the prefill worker has named it as the holder). Its KV pool is twice the configured
 LLMD_KV_CACHE__MEMORY_BYTES, so a prefill worker, which offers to the most free blocks first,
-picks it over a normal decode worker.
+picks it over a normal decode worker; so is the pool of every faulty decode worker.
+
+Over the data port (services/kv_transfer/tcp.py), with half of a transfer's bytes sent:
+prefill-dies-mid-transfer and decode-dies-mid-transfer SIGKILL themselves;
+prefill-stalls-mid-transfer sends nothing more until the decode worker gives up and closes the
+connection, once (its later transfers are normal).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from typing import NoReturn
 
 from services.decode.worker import DecodeWorker
+from services.kv_transfer import KVTransferError
+from services.kv_transfer.tcp import TcpSender, recv_into_views, send_views
 from services.prefill.tracked import Tracked
 from services.prefill.worker import PrefillWorker
-from services.worker_base import main
+from services.worker_base import Worker, main
 from shared.protocol import KVReady
 from shared.settings import WorkerServiceSettings
 
@@ -36,19 +44,75 @@ class PrefillDiesAfterAccept(PrefillWorker):
         die()
 
 
-class DecodeDiesOnKVReady(DecodeWorker):
+class PreferredDecode(DecodeWorker):
+    """A decode worker with twice the configured KV pool, so that prefill workers offer to it first."""
+
     def __init__(self, settings: WorkerServiceSettings) -> None:
         kv = settings.kv_cache
         if kv.memory_bytes is None:
-            raise SystemExit("decode-dies-on-kv-ready needs LLMD_KV_CACHE__MEMORY_BYTES (it takes twice that)")
+            raise SystemExit("a faulty decode worker needs LLMD_KV_CACHE__MEMORY_BYTES (it takes twice that)")
         kv.memory_bytes *= 2
         super().__init__(settings)
 
+
+class DecodeDiesOnKVReady(PreferredDecode):
     async def _on_kv_ready(self, msg: KVReady) -> None:
         die()
 
 
-FAULTS = {"prefill-dies-after-accept": PrefillDiesAfterAccept, "decode-dies-on-kv-ready": DecodeDiesOnKVReady}
+def half(views: list[memoryview]) -> list[memoryview]:
+    return views[: max(1, len(views) // 2)]
+
+
+class DiesMidSend(TcpSender):
+    def _send_payload(self, sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+        send_views(sock, half(views), deadline)
+        die()
+
+
+class StallsMidSendOnce(TcpSender):
+    def __init__(self) -> None:
+        self.stalled = False
+
+    def _send_payload(self, sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+        if self.stalled:
+            return super()._send_payload(sock, views, deadline)
+        self.stalled = True
+        send_views(sock, half(views), deadline)
+        sock.settimeout(None)
+        sock.recv(1)  # until the decode worker gives up on the transfer and closes the connection
+        raise KVTransferError("stalled on purpose (tests/services/faulty_workers.py)")
+
+
+class PrefillDiesMidTransfer(PrefillWorker):
+    def __init__(self, settings: WorkerServiceSettings) -> None:
+        super().__init__(settings)
+        self.kv.sender = DiesMidSend()
+
+
+class PrefillStallsMidTransfer(PrefillWorker):
+    def __init__(self, settings: WorkerServiceSettings) -> None:
+        super().__init__(settings)
+        self.kv.sender = StallsMidSendOnce()
+
+
+class DecodeDiesMidTransfer(PreferredDecode):
+    def __init__(self, settings: WorkerServiceSettings) -> None:
+        super().__init__(settings)
+        assert self.kv.receiver is not None, "decode-dies-mid-transfer needs the data port (kv_transport auto or tcp)"
+        self.kv.receiver._recv_payload = self._recv_half_and_die  # type: ignore[method-assign]
+
+    @staticmethod
+    def _recv_half_and_die(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
+        recv_into_views(sock, half(views), deadline)
+        die()
+
+
+FAULTS: dict[str, type[Worker]] = {
+    "prefill-dies-after-accept": PrefillDiesAfterAccept, "decode-dies-on-kv-ready": DecodeDiesOnKVReady,
+    "prefill-dies-mid-transfer": PrefillDiesMidTransfer, "decode-dies-mid-transfer": DecodeDiesMidTransfer,
+    "prefill-stalls-mid-transfer": PrefillStallsMidTransfer,
+}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in FAULTS:

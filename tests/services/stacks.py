@@ -133,3 +133,12 @@ def kv_bytes_by_transport(rds: redis.Redis, keys: Keys) -> dict[str, float]:
             if key.startswith("llmd_handoff_bytes_total{") and (m := re.search(r'transport="(\w+)"', key)):
                 totals[m[1]] = totals.get(m[1], 0.0) + value
     return totals
+
+
+def prefill_metric(rds: redis.Redis, keys: Keys, name: str) -> dict[str, float]:
+    """One counter of each live prefill worker, by worker id."""
+    return {
+        status.worker_id: sum(v for k, v in scrape_metrics(f"http://127.0.0.1:{status.health_port}/metrics").items()
+                              if k.partition("{")[0] == name)
+        for status in live_workers(rds, keys, "prefill")
+    }

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from services.kv_connector import KVTransferError, RedisKVConnector
+from services.kv_transfer import KVTransferError, RedisKVConnector
 from shared.settings import RedisSettings
 from shared.streams import Bus
 from tests.services.stack_client import REDIS_URL

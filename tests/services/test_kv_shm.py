@@ -1,4 +1,4 @@
-"""The shared-memory KV connector on a real tmpfs directory, and how `KVTransports` picks between
+"""The shared-memory KV transport on a real tmpfs directory, and how `KVTransports` picks between
 it and Redis: exact round trips, files only a deployment's own names can reach, a sweep for
 transfers nobody will read, and Redis whenever shared memory cannot carry a transfer."""
 
@@ -7,20 +7,23 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.kv_connector import (
+from services.kv_transfer import (
     SHM_SCHEME,
+    KVPeer,
+    KVSource,
     KVTransferError,
     KVTransports,
-    RedisKVConnector,
     SharedMemoryKVConnector,
     kv_transports,
 )
+from services.kv_transfer.base import tensor_bytes
+from shared.settings import WorkerSettings
 from shared.streams import Bus
 from tests.services.test_kv_connector import KV_SHAPE, bus  # noqa: F401  (bus: the fixture, a namespace of its own)
 
@@ -130,56 +133,62 @@ def test_workers_that_share_the_directory_find_each_others_marker(shm_dir: Path,
     assert not same_host.shares_with(decode.token)
 
 
-def test_an_unusable_directory_leaves_redis_only(bus: Bus, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    transports = kv_transports(bus.redis, bus.keys, "ns", str(tmp_path / "missing"), ttl_s=30)
-    transports.start()
-    assert transports.shm is None and transports.shm_token == ""
-    assert "go through Redis only" in caplog.text and "missing" in caplog.text
-    assert kv_transports(bus.redis, bus.keys, "ns", "", ttl_s=30).shm is None
+def transports(bus: Bus, shm_dir: Path | str, worker_id: str = "w") -> KVTransports:
+    return kv_transports(bus.redis, bus.keys, "ns", WorkerSettings(kv_shm_dir=str(shm_dir)), worker_id)
+
+
+async def test_an_unusable_directory_leaves_no_shared_memory(bus: Bus, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    missing = transports(bus, tmp_path / "missing")
+    await missing.start()
+    assert missing.shm is None and missing.shm_token == "" and missing.names == ["tcp", "redis"]
+    assert "no KV handoffs through shared memory" in caplog.text and "missing" in caplog.text
+    assert transports(bus, "").shm is None
 
 
 async def test_transports_use_shared_memory_only_with_a_worker_that_shares_it(bus: Bus, shm_dir: Path) -> None:
-    decode = kv_transports(bus.redis, bus.keys, "ns", str(shm_dir), ttl_s=30)
-    prefill = kv_transports(bus.redis, bus.keys, "ns", str(shm_dir), ttl_s=30)
-    decode.start()
+    decode, prefill = transports(bus, shm_dir, "decode"), transports(bus, shm_dir, "prefill")
+    await decode.start()
     kv = torch.randn(2, 5)
 
-    shared = await prefill.put("r", 0, kv.shape, kv.dtype, reader_of(kv), peer_shm_token=decode.shm_token)
-    apart = await prefill.put("r", 1, kv.shape, kv.dtype, reader_of(kv), peer_shm_token="")
+    shared = await prefill.put("r", 0, source_of(kv), KVPeer("decode", shm_token=decode.shm_token))
+    apart = await prefill.put("r", 1, source_of(kv), KVPeer("decode"))
 
     assert shared.startswith(SHM_SCHEME) and apart == bus.keys.kv_blob("r", 1)
+    assert (prefill.transport_of(shared), prefill.transport_of(apart)) == ("shm", "redis")
     for location in (shared, apart):
         assert torch.equal(await decode.get(location), kv)
         await decode.discard(location)
     assert not await bus.redis.exists(apart)
-    decode.close()
+    await decode.close()
     assert list(shm_dir.iterdir()) == []
 
 
 async def test_a_failed_shared_memory_write_goes_through_redis(bus: Bus, shm_dir: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    decode = kv_transports(bus.redis, bus.keys, "ns", str(shm_dir), ttl_s=30)
-    decode.start()
-    prefill = KVTransports(RedisKVConnector(bus.redis, bus.keys, ttl_s=30),
-                           SharedMemoryKVConnector(shm_dir / "full", "ns", ttl_s=30))
-    prefill.shm.directory = shm_dir  # sees the marker ...
-    prefill.shm.put_filled = _raises_enospc  # type: ignore[method-assign]  # ... but the tmpfs is full
+    decode = transports(bus, shm_dir, "decode")
+    await decode.start()
+    prefill = transports(bus, shm_dir, "prefill")
+    assert prefill.shm is not None
+    prefill.shm.put_filled = _raises_enospc  # type: ignore[method-assign]  # the tmpfs is full
     kv = torch.ones(3)
 
-    location = await prefill.put("r", 0, kv.shape, kv.dtype, reader_of(kv), peer_shm_token=decode.shm_token)
+    location = await prefill.put("r", 0, source_of(kv), KVPeer("decode", shm_token=decode.shm_token))
 
     assert location == bus.keys.kv_blob("r", 0)
     assert torch.equal(await decode.get(location), torch.ones(3))
     assert "goes through Redis" in caplog.text and "No space left" in caplog.text
+    await decode.close()
 
 
 async def _raises_enospc(*args: object) -> str:
     raise OSError(28, "No space left on device")
 
 
-def reader_of(kv: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
-    """What the prefill worker passes for its pool's blocks: fill `out`, or return a tensor."""
-    return lambda out: kv.clone() if out is None else out.copy_(kv)
+def source_of(kv: torch.Tensor) -> KVSource:
+    """What the prefill worker passes for its pool's blocks: `read` fills `out` or returns a tensor."""
+    return KVSource(tuple(kv.shape), kv.dtype, read=lambda out: kv.clone() if out is None else out.copy_(kv),
+                    views=lambda: [tensor_bytes(kv)])
 
 
 async def test_a_filled_transfer_is_written_in_place_and_a_failed_fill_leaves_nothing(
@@ -205,9 +214,8 @@ async def test_a_filled_transfer_is_written_in_place_and_a_failed_fill_leaves_no
 
 
 async def test_a_worker_without_shared_memory_refuses_a_shared_memory_location(bus: Bus) -> None:
-    redis_only = kv_transports(bus.redis, bus.keys, "ns", "", ttl_s=30)
     with pytest.raises(KVTransferError, match="in shared memory, which this worker does not use"):
-        await redis_only.get(SHM_SCHEME + "/dev/shm/llmd-ns-kv-1-0")
+        await transports(bus, "").get(SHM_SCHEME + "/dev/shm/llmd-ns-kv-1-0")
 
 
 def test_a_marker_that_disappeared_is_recreated_and_said_once(shm: SharedMemoryKVConnector,

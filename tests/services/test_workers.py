@@ -13,10 +13,11 @@ import pytest
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.decode.reservation import Reservation
 from services.decode.worker import DecodeWorker
 from services.engine_thread import EngineThread
 from services.health import create_health_app
-from services.kv_connector import RedisKVConnector
+from services.kv_transfer import RedisKVConnector
 from services.launcher import RedisServer, Stack, StackConfig
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.worker import PrefillWorker
@@ -179,7 +180,9 @@ async def test_a_reservation_whose_kv_never_comes_is_freed_and_the_gateway_told(
     )
     await gateway.bus.send(decode.inbox, offer)
     accept = await _read_one(gateway, gateway.keys.inbox(ghost))
-    assert accept == HandoffAccept("orphan", 0, decode.worker_id, needed_blocks=[0, 1, 2], kv_shm=accept.kv_shm)
+    assert accept == HandoffAccept("orphan", 0, decode.worker_id, needed_blocks=[0, 1, 2], kv_shm=accept.kv_shm,
+                                   kv_token=accept.kv_token)
+    assert len(accept.kv_token) == 32  # a transfer over its data port must show this token
     await gateway.until_status(
         lambda ss: _status(ss, decode.worker_id).free_blocks == decode.total_blocks - 3, "decode", "the reservation"
     )
@@ -211,9 +214,9 @@ async def test_a_burst_of_offers_is_answered_within_a_step_or_two_not_one_step_e
     answered_at_step: dict[str, int] = {}
     answer = worker._answer
 
-    async def answer_and_note_the_step(offer: HandoffOffer, needed: list[int] | None) -> None:
+    async def answer_and_note_the_step(offer: HandoffOffer, held: Reservation | None) -> None:
         answered_at_step[offer.req_id] = worker.engine.num_steps
-        await answer(offer, needed)
+        await answer(offer, held)
 
     worker._answer = answer_and_note_the_step  # type: ignore[method-assign]
     await worker.start(handle_signals=False)

@@ -1,0 +1,208 @@
+"""KV over the data port between workers that cannot see each other's tmpfs (each role has a
+directory of its own: two hosts, simulated), with real processes, the real model and Redis:
+
+- greedy tokens equal the single engine's, and Redis carried no KV bytes;
+- a prefill worker SIGKILLed mid-transfer: the decode worker frees the reservation at once and
+  another prefill worker re-runs the request;
+- a decode worker SIGKILLed mid-transfer: the prefill worker offers the request to another one;
+- a transfer that stalls: the decode worker gives up within handoff_timeout_s, the prefill
+  worker offers the request elsewhere;
+- a peer with a wrong token, sender or sizes, or from an address no heartbeat names, writes nothing.
+
+Every request ends with the fault-free text, and nothing is left held or pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+import pytest
+import redis
+from openai import OpenAI
+
+from services.kv_transfer import TransferHeader
+from services.kv_transfer.tcp import recv_frame, send_frame
+from services.launcher import Stack
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import LoadedModel
+from shared.protocol import HandoffAccept, HandoffOffer
+from tests.services.stack_client import FakeGateway, offline_greedy
+from tests.services.stacks import FAST_HEARTBEAT, kv_bytes_by_transport, prefill_metric, running_stack
+from tests.services.test_fault_handoff import PROMPT, decode_pool_empty, until_killed
+from tests.services.test_fault_handoff import client, expected  # noqa: F401  (the module fixtures)
+from tests.services.test_fault_real import greedy
+from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FAULTY = "tests.services.faulty_workers"
+HANDOFF_TIMEOUT_S = 3  # above the heartbeat TTL, as in test_fault_handoff.py
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+FAILURES = "llmd_handoff_failures_total"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    env = {
+        "LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), **FAST_HEARTBEAT,
+        "LLMD_WORKER__HANDOFF_TIMEOUT_S": str(HANDOFF_TIMEOUT_S),
+    }  # fmt: skip
+    apart = {role: {"LLMD_WORKER__KV_SHM_DIR": str(tmp_path_factory.mktemp(f"shm-{role}"))} for role in ("prefill", "decode")}
+    with running_stack("kv-tcp", env, num_prefill=1, num_decode=2, role_env=apart) as stack:
+        yield stack
+
+
+@pytest.fixture
+async def gateway(stack: Stack) -> AsyncIterator[FakeGateway]:
+    gateway = FakeGateway(stack.namespace, gateway_id=f"gw-{uuid.uuid4().hex[:6]}")
+    yield gateway
+    await gateway.close()
+
+
+def by_transport(rds: redis.Redis, stack: Stack) -> dict[str, float]:
+    return kv_bytes_by_transport(rds, stack.keys)
+
+
+async def test_greedy_tokens_over_the_data_port_equal_the_single_engine(
+    stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
+) -> None:
+    prompts = [[(i * 7919 + j * 104729) % 49000 + 50 for j in range(n)] for i, n in enumerate((7, 40, 300))]
+    statuses = await gateway.workers("decode")
+    assert all(s.kv_port and s.kv_host == "127.0.0.1" and s.kv_transports == ["shm", "tcp", "redis"]
+               for s in statuses)
+    for i, p in enumerate(prompts):
+        await gateway.submit(f"tcp-{i}", p, GREEDY)
+
+    replies = await gateway.finish(*(f"tcp-{i}" for i in range(len(prompts))))
+
+    assert [r.token_ids for r in replies.values()] == offline_greedy(loaded_model, prompts, GREEDY)
+    moved = by_transport(rds, stack)
+    assert moved["tcp"] > 0 and moved["redis"] == 0 and moved["shm"] == 0
+    await gateway.until_all_blocks_free()
+
+
+def normal_prefill_workers(stack: Stack) -> list[str]:
+    return [n for n, c in stack.children.items() if c.role == "prefill"]
+
+
+def only(stack: Stack, faulty: str) -> None:
+    """Drain every other prefill worker, so that the faulty one reads the next request."""
+    for name in [n for n in normal_prefill_workers(stack) if n != faulty]:
+        stack.drain_worker(name)
+        until(lambda: stack.exited() == {} and name not in stack.children, f"{name} to drain and exit")
+
+
+def test_a_prefill_worker_killed_mid_transfer_leaves_nothing_held_and_is_replaced(
+    stack: Stack, client: OpenAI, model: str, expected: str, rds: redis.Redis,
+) -> None:
+    faulty = stack.add_worker("prefill", module=[FAULTY, "prefill-dies-mid-transfer"])
+    only(stack, faulty)
+
+    with ThreadPoolExecutor(1) as pool:
+        text = pool.submit(greedy, client, model, PROMPT)
+        until_killed(stack, faulty)
+        until(lambda: decode_pool_empty(rds, stack), "the decode worker to free the half-written blocks")
+        stack.add_worker("prefill")  # claims the dead worker's pending request and runs it again
+        assert text.result(BOUND_S) == expected
+
+    assert_clean(rds, stack.keys)
+    assert stack.exited() == {}
+
+
+def test_a_decode_worker_killed_mid_transfer_has_the_request_offered_to_another(
+    stack: Stack, client: OpenAI, model: str, expected: str, rds: redis.Redis,
+) -> None:
+    faulty = stack.add_worker("decode", module=[FAULTY, "decode-dies-mid-transfer"])
+    failures = prefill_metric(rds, stack.keys, FAILURES)
+
+    assert greedy(client, model, PROMPT) == expected
+
+    assert sum(prefill_metric(rds, stack.keys, FAILURES).values()) == sum(failures.values()) + 1
+
+    until_killed(stack, faulty)
+    assert faulty not in [s.worker_id for s in live_decode(rds, stack.keys)]
+    assert_clean(rds, stack.keys)
+    assert stack.exited() == {}
+
+
+def test_a_stalled_transfer_is_given_up_within_the_handoff_timeout_and_offered_elsewhere(
+    stack: Stack, client: OpenAI, model: str, expected: str, rds: redis.Redis,
+) -> None:
+    faulty = stack.add_worker("prefill", module=[FAULTY, "prefill-stalls-mid-transfer"])
+    only(stack, faulty)
+
+    assert greedy(client, model, PROMPT) == expected
+
+    assert prefill_metric(rds, stack.keys, FAILURES) == {faulty: 1}  # the stalled transfer, offered elsewhere
+
+    assert_clean(rds, stack.keys)
+    assert stack.exited() == {}
+    stack.add_worker("prefill")
+    only(stack, normal_prefill_workers(stack)[-1])
+
+
+def transfer(port: int, header: TransferHeader, source: str = "127.0.0.1") -> dict[str, object]:
+    """Connect to a data port from `source` and announce a transfer; the receiver's answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0)) as sock:
+        deadline = time.monotonic() + 10
+        send_frame(sock, asdict(header), deadline)
+        try:
+            return recv_frame(sock, deadline)
+        except Exception as e:  # noqa: BLE001  (closed without an answer)
+            return {"closed": str(e)}
+
+
+async def test_only_the_reservations_token_sender_and_sizes_from_a_known_address_get_in(
+    stack: Stack, gateway: FakeGateway, rds: redis.Redis,
+) -> None:
+    decode = (await gateway.workers("decode"))[0]
+    assert decode.kv_port is not None
+    prefill_id = f"ghost-prefill-{uuid.uuid4().hex[:6]}"  # the test plays a prefill worker on 127.0.0.1
+    offer = HandoffOffer(
+        req_id="intruded", attempt=0, gateway_id=gateway.gateway_id, prefill_id=prefill_id,
+        prompt_token_ids=list(range(100, 140)), output_token_ids=[42], output_logprobs=[], output_top_logprobs=[],
+        params=GREEDY.to_dict(), seed=1, num_cached_tokens=0, num_blocks=3,
+    )  # fmt: skip
+    await gateway.bus.send(decode.inbox, offer)
+    accept = await _accept_for(gateway, gateway.keys.inbox(prefill_id), "intruded")
+    assert accept.needed_blocks == [0, 1, 2] and len(accept.kv_token) == 32
+    size = 3 * 30 * 2 * 16 * 3 * 64 * 4  # [blocks, layers, K/V, block_size, kv_heads, head_dim] in float32
+    right = TransferHeader(accept.kv_token, "intruded", 0, prefill_id, num_blocks=3, num_bytes=size)
+
+    answers = await asyncio.gather(*(asyncio.to_thread(transfer, decode.kv_port, h) for h in (
+        TransferHeader("0" * 32, "intruded", 0, prefill_id, 3, size),
+        TransferHeader(accept.kv_token, "intruded", 0, "prefill-impostor", 3, size),
+        TransferHeader(accept.kv_token, "intruded", 0, prefill_id, 3, size + 4),
+        TransferHeader(accept.kv_token, "intruded", 1, prefill_id, 3, size),
+    )))
+    stranger = await asyncio.to_thread(transfer, decode.kv_port, right, source="127.0.0.2")
+
+    assert [a.get("error", "") for a in answers] == [
+        "wrong transfer token for 'intruded' from 127.0.0.1",
+        f"the KV of 'intruded' is {prefill_id}'s to send, once",
+        f"3 blocks of {size + 4} bytes announced for 'intruded'; its reservation holds 3 blocks of {size} bytes",
+        "no reservation for 'intruded' attempt 1",
+    ]
+    assert "closed" in stranger  # not a live worker's address: refused before its header is read
+    # nobody sent the KV: the reservation lapses as it would have, and the gateway hears why
+    reply = (await gateway.finish("intruded"))["intruded"]
+    assert reply.finish_reason == "abort" and "did not arrive" in (reply.error or "")
+    await gateway.until_all_blocks_free()
+    assert by_transport(rds, stack)["redis"] == 0
+
+
+async def _accept_for(gateway: FakeGateway, stream: str, req_id: str) -> HandoffAccept:
+    deadline = time.monotonic() + BOUND_S
+    last = b"0"
+    while time.monotonic() < deadline:
+        for entry_id, msg in await gateway.bus.read(stream, last, 100, 200):
+            last = entry_id
+            if isinstance(msg, HandoffAccept) and msg.req_id == req_id:
+                return msg
+    raise AssertionError(f"no accept for {req_id} in {stream}")
