@@ -40,6 +40,22 @@ class Keys:
     def requests(self) -> str:
         return f"{self.namespace}:requests"
 
+    def routed_requests(self, worker_id: str) -> str:
+        """Requests a gateway routed to one prefill worker (same consumer group as `requests`)."""
+        return f"{self.namespace}:requests:{worker_id}"
+
+    @property
+    def routed_workers(self) -> str:
+        """The set of prefill workers that have a `routed_requests` stream, live or dead."""
+        return f"{self.namespace}:routed-workers"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.namespace}:kv_events"
+
+    def kv_snapshot(self, worker_id: str) -> str:
+        return f"{self.namespace}:kv_snapshot:{worker_id}"
+
     @property
     def dead_letter(self) -> str:
         return f"{self.namespace}:dead-letter"
