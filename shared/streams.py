@@ -100,10 +100,12 @@ class Bus:
         await self.redis.aclose()
 
     async def ping(self) -> bool:
-        try:
-            return bool(await self.redis.ping())
-        except REDIS_ERRORS:
-            return False
+        for _ in range(2):  # a pooled connection from before a Redis restart fails once, then reconnects
+            try:
+                return bool(await self.redis.ping())
+            except REDIS_ERRORS:
+                continue
+        return False
 
     async def send(self, stream: str, msg: Message) -> bytes:
         return await self.redis.xadd(stream, {"m": encode(msg)})
