@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side bench-goodput clean
+	bench-handoff bench-side-by-side bench-goodput bench-routing clean
 
 install: $(STAMP)
 
@@ -55,7 +55,12 @@ bench-side-by-side: install
 bench-goodput: install
 	$(PY) -m bench.goodput $(ARGS)
 
-bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput
+# cache-aware routing off vs on: multi-turn chat on 2 prefill + 2 decode workers
+bench-routing: install
+	$(PY) -m bench.routing $(ARGS)
+
+bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput \
+	bench-routing
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -47,6 +47,7 @@ class EngineThread:
         self._clock = clock
         self._busy_since: float | None = None
         self._stepped_at = clock()
+        self.after_call: Callable[[], None] | None = None  # runs on the engine thread after every call
 
     @property
     def engine(self) -> Engine:
@@ -164,6 +165,8 @@ class EngineThread:
             if self._engine is not None:
                 self.stats = self._engine.stats()
                 self.num_steps = self._engine.num_steps
+                if self.after_call is not None:
+                    self.after_call()
                 if self._lease is not None:  # after any call: an abort or a release can leave it idle too
                     self._lease.after_call(self._engine.has_unfinished)
             self._busy_since = None

@@ -29,8 +29,9 @@ from redis.exceptions import ResponseError
 
 from services.engine_thread import EngineThread
 from services.health import create_health_app
+from services.kv_events import KVEventPublisher, KVEventSource
 from services.kv_transfer import kv_transports
-from shared.engine.engine import RequestOutput
+from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.loader import ModelNotFoundError, resolve_model_path
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
@@ -137,6 +138,9 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self._helpers: set[asyncio.Task[Any]] = set()
         self._health_runner: web.AppRunner | None = None
+        kv_events = settings.worker.kv_events
+        self.kv_events = KVEventSource(self.worker_id, self.role, settings.kv_cache.block_size)
+        self.kv_publisher = KVEventPublisher(self.bus, self.kv_events, kv_events) if kv_events.enabled else None
 
     # -- what a subclass provides ------------------------------------------------------------
 
@@ -193,8 +197,12 @@ class Worker:
             self.settings.torch_threads or "default" if threads is None else f"1-{threads}, leased from the neighbours",
         )
         await with_backoff(self.setup, "creating consumer groups", self.stopped)
+        if self.kv_publisher is not None:
+            await self._start_kv_events(engine)
         await self._publish_status()
         self._tasks += [self._spawn_forever(self._heartbeat_loop()), self._spawn_forever(self._step_loop())]
+        if self.kv_publisher is not None:
+            self._tasks.append(self._spawn_forever(self._kv_events_loop(self.kv_publisher)))
         self._tasks += [self._spawn_forever(coro) for coro in self.serve_tasks()]
         logger.info("serving: inbox %s, redis %s namespace %s", self.inbox, self.settings.redis.url,
                     self.settings.redis.namespace)
@@ -338,6 +346,34 @@ class Worker:
         and KV transfers that nobody will read."""
         await self.bus.trim_acknowledged(self.inbox, INBOX_GROUP)
         self.kv.sweep()
+
+    # -- KV events -------------------------------------------------------------------------------
+
+    async def _start_kv_events(self, engine: Engine) -> None:
+        assert self.kv_publisher is not None
+        loop, wake = asyncio.get_running_loop(), self.kv_publisher.wake
+
+        def collect() -> None:  # engine thread, after every call
+            if self.kv_events.collect():
+                loop.call_soon_threadsafe(wake.set)
+
+        await self.engine.call(self.kv_events.attach, engine.kv_cache.pool)
+        self.engine.after_call = collect
+
+    async def _kv_events_loop(self, publisher: KVEventPublisher) -> None:
+        """Events out as they come; a snapshot every snapshot_interval_s while the cache changes."""
+        pool = self.engine.engine.kv_cache.pool
+        while not self.stopped.is_set():
+            await _wait(publisher.wake, publisher.settings.snapshot_interval_s)
+            publisher.wake.clear()
+            await publisher.publish_events()
+            if publisher.snapshot_due():
+                snap = await self.engine.call(self.kv_events.snapshot, pool)
+                await publisher.publish_events()  # what the snapshot collected goes out before it
+                try:
+                    await publisher.publish_snapshot(snap)
+                except REDIS_ERRORS as e:
+                    logger.warning("KV snapshot: Redis unavailable (%s)", e)
 
     # -- heartbeat -------------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ Each message is a msgpack map carrying `v` (schema version) and `type`. Flow of 
   decode  --TokenUpdate(batched per gateway, every step)--> replies:<gateway_id>
   gateway --Cancel--> inbox of the worker holding the request (and a cancel mark for queued ones)
 
+A gateway may route a request to one prefill worker (requests:<prefill_id>) and name a decode
+worker (`decode_hint`); it learns what each worker caches from KVEvents on the kv_events stream
+and, after a gap, from the worker's KVSnapshot.
+
 `attempt` fences stale work: a request re-run after a worker died gets attempt + 1 and the
 gateway ignores updates of older attempts. `index` (position of the first token of an update
 in the output) lets the gateway drop duplicates after a take-over.
@@ -101,6 +105,7 @@ class GenerateRequest(Message):
     output_token_ids: list[int] = field(default_factory=list)
     deadline: float | None = None  # unix time after which the request is dropped
     num_deliveries: int = 0
+    decode_hint: str | None = None  # the decode worker to offer it first (it caches most of the prompt)
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -223,3 +228,35 @@ class WorkerStatus(Message):
     kv_shm: str = ""  # its shared-memory marker; empty: no shared tmpfs
     kv_host: str = ""  # its address for KV: where its data port listens, where its KV connections come from
     kv_port: int | None = None  # a decode worker's KV data port; None: it receives no KV over TCP
+    num_queued_tokens: int = 0  # prompt tokens admitted and not yet prefilled (prefill workers)
+
+
+@dataclass(slots=True)
+class KVEvents(Message):
+    """The net change of a worker's prefix cache since its previous KVEvents: block hashes (chained
+    over their prefix, shared/engine/block_pool.py) that became findable or were evicted.
+
+    `seq` counts a worker's messages from 1 within one `epoch` (one process life); a reader that
+    sees a gap, or a new epoch, rebuilds that worker from its KVSnapshot."""
+
+    TYPE: ClassVar[str] = "kv_events"
+    worker_id: str
+    role: str
+    epoch: str
+    seq: int
+    block_size: int
+    stored: list[bytes]
+    removed: list[bytes]
+
+
+@dataclass(slots=True)
+class KVSnapshot(Message):
+    """Every hash a worker's prefix cache holds after its KVEvents number `seq` of `epoch`."""
+
+    TYPE: ClassVar[str] = "kv_snapshot"
+    worker_id: str
+    role: str
+    epoch: str
+    seq: int
+    block_size: int
+    block_hashes: list[bytes]

@@ -123,6 +123,16 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
+class KVEventSettings(BaseModel):
+    """A worker's reports of what its prefix cache holds, which gateways route by (services/kv_events.py)."""
+
+    enabled: bool = Field(True, description="publish KV events (blocks stored and evicted) and snapshots")
+    stream_maxlen: int = Field(100_000, ge=100, description="the kv_events stream is trimmed to about this many")
+    snapshot_interval_s: float = Field(2.0, gt=0, description="how often a changed cache is snapshotted; a "
+                                       "router that missed events catches up within about this long")
+    snapshot_ttl_s: float = Field(60.0, gt=0, description="a snapshot key outlives its worker this long")
+
+
 class WorkerSettings(BaseModel):
     worker_id: str | None = Field(None, description="unique id (default: host-pid-random)")
     health_host: str = Field("127.0.0.1", description="listen address of /health and /metrics")
@@ -153,6 +163,7 @@ class WorkerSettings(BaseModel):
     core_lease_dir: str = Field(
         "/dev/shm", description="directory (a tmpfs) shared by the workers of one host, holding their core lease"
     )
+    kv_events: KVEventSettings = KVEventSettings()
 
     @field_validator("cpus")
     @classmethod
@@ -184,6 +195,21 @@ class GatewaySettings(BaseModel):
     @property
     def api_key_list(self) -> list[str]:
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+
+class RoutingSettings(BaseModel):
+    """How the gateway picks workers by what they cache (services/gateway/router.py)."""
+
+    enabled: bool = Field(True, description="route by cached prefix; off (or with no KV events from the workers) "
+                          "every request goes to the shared requests stream and decode is chosen by load")
+    load_weight: float = Field(1.0, ge=0, description="prefill: one queued prompt token ahead costs this many "
+                               "cached tokens (1: both are a token of prefill to wait for)")
+    max_imbalance_tokens: int = Field(4096, ge=0, description="prefill workers queued this many prompt tokens "
+                                      "beyond the least queued one get no routed requests")
+    max_decode_imbalance_requests: int = Field(4, ge=0, description="decode workers running this many requests "
+                                               "beyond the least busy one get no hint")
+    min_advantage_blocks: int = Field(2, ge=1, description="route by cache only when the best worker caches at "
+                                      "least this many blocks more than the worst candidate")
 
 
 class PlannerSettings(BaseModel):
@@ -220,6 +246,7 @@ class GatewayServiceSettings(_Base):
     gateway: GatewaySettings = GatewaySettings()
     model: ModelSettings = ModelSettings()
     planner: PlannerSettings = PlannerSettings()
+    routing: RoutingSettings = RoutingSettings()
 
 
 class PlannerServiceSettings(_Base):

@@ -40,6 +40,22 @@ class Keys:
     def requests(self) -> str:
         return f"{self.namespace}:requests"
 
+    def routed_requests(self, worker_id: str) -> str:
+        """Requests a gateway routed to one prefill worker (same consumer group as `requests`)."""
+        return f"{self.namespace}:requests:{worker_id}"
+
+    @property
+    def routed_workers(self) -> str:
+        """The set of prefill workers that have a `routed_requests` stream, live or dead."""
+        return f"{self.namespace}:routed-workers"
+
+    @property
+    def kv_events(self) -> str:
+        return f"{self.namespace}:kv_events"
+
+    def kv_snapshot(self, worker_id: str) -> str:
+        return f"{self.namespace}:kv_snapshot:{worker_id}"
+
     @property
     def dead_letter(self) -> str:
         return f"{self.namespace}:dead-letter"
@@ -84,10 +100,12 @@ class Bus:
         await self.redis.aclose()
 
     async def ping(self) -> bool:
-        try:
-            return bool(await self.redis.ping())
-        except REDIS_ERRORS:
-            return False
+        for _ in range(2):  # a pooled connection from before a Redis restart fails once, then reconnects
+            try:
+                return bool(await self.redis.ping())
+            except REDIS_ERRORS:
+                continue
+        return False
 
     async def send(self, stream: str, msg: Message) -> bytes:
         return await self.redis.xadd(stream, {"m": encode(msg)})

@@ -58,6 +58,8 @@ class RequestResult:
     num_output_tokens: int = 0
     chunk_times_s: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the answer (first choice), for workloads whose next request builds on it
+    num_cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
 
     @property
     def success(self) -> bool:
@@ -89,6 +91,7 @@ class RequestResult:
 @dataclass(slots=True)
 class _StreamRecord:
     chunk_times_s: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     error: str | None = None
     is_done: bool = False
@@ -104,6 +107,7 @@ class _StreamRecord:
             self.error = f"stream error: {_error_message(data)}"
         if data.get("choices"):
             self.chunk_times_s.append(elapsed_s)
+            self.texts.append(data["choices"][0].get("text") or "")
         if data.get("usage"):
             self.usage = data["usage"]
 
@@ -113,6 +117,8 @@ class _StreamRecord:
         usage = self.usage or {}
         result.num_output_tokens = usage.get("completion_tokens") or len(self.chunk_times_s)
         result.num_prompt_tokens = usage.get("prompt_tokens") or result.num_prompt_tokens
+        result.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        result.text = "".join(self.texts)
         if self.error is None and not self.chunk_times_s:
             self.error = "stream ended before the first chunk"
         result.error = self.error

@@ -47,8 +47,8 @@ class ColocatedWorker(PrefillWorker):
     def is_idle(self) -> bool:
         return super().is_idle() and self.tokens.num_unsent == 0
 
-    async def _admit(self, entry_id: bytes, msg: GenerateRequest) -> None:
-        await super()._admit(entry_id, msg)
+    async def _admit(self, stream: str, entry_id: bytes, msg: GenerateRequest) -> None:
+        await super()._admit(stream, entry_id, msg)
         t = self._tracked.get(msg.req_id)
         if t is not None and t.msg is msg:  # admitted now (not a duplicate, refused or invalid)
             # super() tracked it with no await since, so no step output for it has been handled yet
@@ -63,7 +63,7 @@ class ColocatedWorker(PrefillWorker):
                 continue
             if t.prefilled_at is None:
                 self._observe_prefill(t, out, now)
-                acks.append((self.keys.requests, PREFILL_GROUP, t.entry_id))
+                acks.append((t.stream, PREFILL_GROUP, t.entry_id))
             if out.is_finished:
                 del self._tracked[out.req_id]
         self.tokens.push(outputs, acks)

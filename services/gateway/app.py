@@ -50,6 +50,7 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         gw.reader = asyncio.create_task(gw.router.run(), name="replies-reader")
         gw.reader.add_done_callback(_log_reader_exit)
         watcher = asyncio.create_task(gw.dispatcher.watch(), name="migration-watch")
+        kv_feed = asyncio.create_task(gw.kv_feed.run(), name="kv-index-feed")
         stop_pool_watch = asyncio.Event()
         planner = settings.planner
         pool_watch = asyncio.create_task(watch_pools(
@@ -59,9 +60,10 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         yield
         gw.router.stop()
         gw.dispatcher.stop()
+        gw.kv_feed.stop()
         stop_pool_watch.set()
         gw.reader.cancel()
-        await asyncio.gather(gw.reader, watcher, pool_watch, return_exceptions=True)
+        await asyncio.gather(gw.reader, watcher, pool_watch, kv_feed, return_exceptions=True)
         await gw.wait_spawned()  # cancels on their way to the workers
         await gw.bus.close()
         logger.info("gateway %s stopped", gw.gateway_id)

@@ -15,10 +15,13 @@ from aiohttp import web
 
 from services.gateway.admission import Admission
 from services.gateway.dispatcher import Dispatcher
+from services.gateway.kv_feed import KVIndexFeed
+from services.gateway.kv_index import KVIndex
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_info import ModelInfo
 from services.gateway.openai_schema import ApiError
 from services.gateway.replies import ReplyRouter
+from services.gateway.router import Router
 from shared.engine.structured import Grammars
 from shared.settings import GatewayServiceSettings, GatewaySettings
 from shared.streams import Bus
@@ -38,6 +41,7 @@ class Gateway:
     dispatcher: Dispatcher
     admission: Admission
     metrics: GatewayMetrics
+    kv_feed: KVIndexFeed
     reader: asyncio.Task[None] | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _grammars: Grammars | None = None
@@ -83,8 +87,10 @@ def build_gateway(settings: GatewayServiceSettings, model: ModelInfo, tokenizer:
     router = ReplyRouter(bus, gateway_id)
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_prompt_tokens)
     metrics = GatewayMetrics(model.name, lambda: admission.num_requests)
+    index = KVIndex()
+    routing = Router(bus, index, settings.routing, on_route=metrics.observe_route)
     return Gateway(
         settings=cfg, gateway_id=gateway_id, model=model, tokenizer=tokenizer, bus=bus, router=router,
-        dispatcher=Dispatcher(bus, router, gateway_id, on_migrated=metrics.migrations.inc), admission=admission,
-        metrics=metrics,
+        dispatcher=Dispatcher(bus, router, gateway_id, on_migrated=metrics.migrations.inc, routing=routing),
+        admission=admission, metrics=metrics, kv_feed=KVIndexFeed(bus, index),
     )  # fmt: skip

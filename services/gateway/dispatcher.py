@@ -1,5 +1,9 @@
 """Puts requests on the workers and takes them off again: every write of the gateway to Redis.
 
+Each request goes where the router (router.py) sends it: the requests stream of the prefill
+worker that caches most of its prompt, or the shared one, whose first free reader takes it; with
+the decode worker to hand it to as a hint.
+
 It also migrates requests off dead decode (and colocated) workers: `watch` looks every
 WATCH_INTERVAL_S at the worker holding each in-flight request; one registered whose heartbeat lapsed is dead, so
 its requests are re-queued with `attempt + 1`, continuing after the tokens already streamed.
@@ -17,6 +21,7 @@ from collections.abc import Callable
 from services.gateway.inflight import InflightRequest
 from services.gateway.openai_schema import ApiError
 from services.gateway.replies import ReplyRouter, cancel_on_holders
+from services.gateway.router import Router
 from shared.protocol import WorkerStatus, decode
 from shared.streams import REDIS_ERRORS, STAGE_ROLES, Bus
 
@@ -30,9 +35,12 @@ WATCH_INTERVAL_S = 0.5
 
 
 class Dispatcher:
-    def __init__(self, bus: Bus, router: ReplyRouter, gateway_id: str, on_migrated: Callable[[], None]) -> None:
+    def __init__(
+        self, bus: Bus, router: ReplyRouter, gateway_id: str, on_migrated: Callable[[], None], routing: Router
+    ) -> None:
         self._bus = bus
         self._router = router
+        self._routing = routing
         self.gateway_id = gateway_id
         self._inflight: dict[str, InflightRequest] = {}
         self._on_migrated = on_migrated  # counts each request re-queued off a dead worker
@@ -45,13 +53,21 @@ class Dispatcher:
             self._router.register(req)  # before the XADD, so no reply can arrive unrouted
             self._inflight[req.req_id] = req
         try:
-            stream = self._bus.keys.requests
-            await asyncio.gather(*(self._bus.send(stream, req.to_message(self.gateway_id)) for req in reqs))
+            await asyncio.gather(*(self._queue(req) for req in reqs))
         except REDIS_ERRORS as e:
             for req in reqs:
                 self.release(req)
             logger.error("cannot queue requests: Redis unavailable (%s)", e)
             raise ApiError(503, "The request queue (Redis) is unavailable; retry later.", "server_error") from e
+
+    async def _queue(self, req: InflightRequest) -> None:
+        """XADD `req` where the router sends it."""
+        msg = req.to_message(self.gateway_id)
+        route = await self._routing.route([*msg.prompt_token_ids, *msg.output_token_ids])
+        msg.decode_hint = route.decode.worker_id
+        prefill_id = route.prefill.worker_id
+        stream = self._bus.keys.requests if prefill_id is None else self._bus.keys.routed_requests(prefill_id)
+        await self._bus.send(stream, msg)
 
     def release(self, req: InflightRequest) -> None:
         """Stop routing replies of `req` (it finished, or the gateway gave up on it)."""
@@ -94,7 +110,6 @@ class Dispatcher:
         """Re-queue every unfinished request held by a dead decode worker; returns them."""
         dead = await self._dead_decode_workers()
         moved: list[InflightRequest] = []
-        stream = self._bus.keys.requests
         for req in [r for r in self._inflight.values() if not r.is_finished and r.worker_id in dead]:
             dead_id = req.worker_id
             logger.warning("%s: decode worker %s died; re-running it as attempt %d after %d streamed tokens",
@@ -102,7 +117,7 @@ class Dispatcher:
             req.attempt += 1  # before the XADD: from now on updates of the old attempt are dropped
             req.worker_id = None
             try:
-                await self._bus.send(stream, req.to_message(self.gateway_id))
+                await self._queue(req)
             except REDIS_ERRORS:
                 req.attempt, req.worker_id = req.attempt - 1, dead_id  # nothing queued: try again next round
                 raise

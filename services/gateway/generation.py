@@ -221,6 +221,8 @@ class Generation:
         metrics = self._gw.metrics
         metrics.generation_tokens.inc(num_tokens)
         metrics.tokens_from(update.worker_id or "unknown", num_tokens)
+        if choice.last_token_at is None:  # the prefill worker's update: how much of the prompt it had cached
+            metrics.prefilled_by(update.worker_id or "unknown", update.num_prompt_tokens, update.num_cached_tokens)
         if self._first_token_at is None:
             self._first_token_at = now
             metrics.time_to_first_token.observe(now - self._arrived_at)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from services.gateway.router import Route
 from services.pool_planner.policy import PoolLoad
 from shared.metrics import LATENCY_BUCKETS
 
@@ -59,6 +60,24 @@ class GatewayMetrics:
             "llmd_worker_tokens", "Output tokens received, by the worker that produced them.",
             ["model_name", "worker_id"], registry=self.registry,
         )
+        self.routed_requests = Counter(
+            "llmd_routed_requests", "Requests routed, by stage (prefill, decode), by what decided (overlap: the "
+            "worker caching most of the prompt; load: the shared stream, or no decode hint) and worker ('' for load).",
+            ["model_name", "stage", "by", "worker_id"], registry=self.registry,
+        )
+        self.routed_matched_blocks = Counter(
+            "llmd_routed_matched_blocks", "Prompt blocks the chosen worker cached as the router saw it (for load: the "
+            "best any worker cached), by stage and worker.", ["model_name", "stage", "worker_id"], registry=self.registry,
+        )
+        self.worker_prompt_tokens = Counter(
+            "llmd_worker_prompt_tokens", "Prompt tokens prefilled, by the worker that computed the first token.",
+            ["model_name", "worker_id"], registry=self.registry,
+        )
+        self.worker_cached_tokens = Counter(
+            "llmd_worker_cached_tokens", "Of those, tokens found in the worker's prefix cache: with "
+            "llmd_worker_prompt_tokens, each worker's prefix hit rate.", ["model_name", "worker_id"],
+            registry=self.registry,
+        )
         self._model_name = model_name
         self.planner_load = Gauge(
             "llmd_planner_load", "Each pool's load against its latency targets (services/pool_planner): 1 means "
@@ -81,6 +100,16 @@ class GatewayMetrics:
             if pool.load is not None:
                 self.planner_load.labels(**labels).set(pool.load)
             self.planner_recommended_workers.labels(**labels).set(pool.recommended(target_load))
+
+    def observe_route(self, route: Route) -> None:
+        for choice in (route.prefill, route.decode):
+            worker_id = choice.worker_id or ""
+            self.routed_requests.labels(self._model_name, choice.stage, choice.by, worker_id).inc()
+            self.routed_matched_blocks.labels(self._model_name, choice.stage, worker_id).inc(choice.num_matched_blocks)
+
+    def prefilled_by(self, worker_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.worker_prompt_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_prompt_tokens)
+        self.worker_cached_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_cached_tokens)
 
     def tokens_from(self, worker_id: str, num_tokens: int) -> None:
         self.worker_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_tokens)

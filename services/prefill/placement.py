@@ -23,11 +23,12 @@ class DecodePicker:
         self.bus = bus
         self._placed: dict[str, list[tuple[float, int]]] = {}
 
-    async def candidates(self, num_blocks: int) -> list[WorkerStatus]:
-        """Decode workers that could ever hold `num_blocks` blocks, least loaded first; skips draining ones."""
+    async def candidates(self, num_blocks: int, hint: str | None = None) -> list[WorkerStatus]:
+        """Decode workers that could ever hold `num_blocks` blocks, least loaded first; skips draining
+        ones. The gateway's `hint` (a worker that caches most of the prompt) goes first where usable."""
         statuses = await self.bus.live_workers("decode")
-        usable = [s for s in statuses if not s.draining and s.total_blocks >= num_blocks]
-        return sorted(usable, key=self._load)
+        usable = sorted((s for s in statuses if not s.draining and s.total_blocks >= num_blocks), key=self._load)
+        return sorted(usable, key=lambda s: s.worker_id != hint)  # stable: the rest stay in load order
 
     def record(self, decode_id: str, num_blocks: int) -> None:
         now = time.time()

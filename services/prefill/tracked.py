@@ -46,6 +46,7 @@ class Tracked:
     """A request this worker has read and not yet acknowledged."""
 
     msg: GenerateRequest
+    stream: str  # the requests stream its entry is on: the shared one, or one routed to this worker
     entry_id: bytes
     arrived_at: float  # unix time it entered the requests stream
     prefilled_at: float | None = None  # monotonic

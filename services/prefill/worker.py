@@ -1,15 +1,18 @@
-"""Prefill worker: prompts in from the requests stream, first tokens out to the gateways, KV out
+"""Prefill worker: prompts in from the requests streams, first tokens out to the gateways, KV out
 to a decode worker.
 
-    requests --(group "prefill")--> engine (stop_after_prefill) --first token--> replies:<gateway>
+    requests, requests:<own id> --(group "prefill")--> engine (stop_after_prefill) --first token--> replies:<gateway>
                                            |
                     own inbox <-- HandoffAccept <-- decode inbox <-- HandoffOffer
                                            |
                     KV bytes (services/kv_transfer) + KVReady --> decode inbox; release; XACK
 
 A direct (TCP) transfer that fails, because the decode worker died, stalled or refused it, is
-offered to another decode worker (MAX_PLACEMENTS in all). A request's entry is acknowledged only once it finished here or its handoff is complete, so the
-entries of a worker that dies stay pending and another prefill worker claims them (reclaim.py).
+offered to another decode worker (MAX_PLACEMENTS in all). A request's entry is acknowledged only
+once it finished here or its handoff is complete, so the entries of a worker that dies stay
+pending and another prefill worker claims them (reclaim.py).
+A gateway that routes by cached prefix puts a request on the worker's own stream, and may name
+the decode worker to offer it to first (`decode_hint`).
 """
 
 from __future__ import annotations
@@ -67,16 +70,20 @@ class PrefillWorker(Worker):
         self.accepts = AcceptBoard()
         self.reclaimer = Reclaimer(self.bus, self.worker_id, min_idle_s=cfg.heartbeat_ttl_s)
         self._tracked: dict[str, Tracked] = {}
-        self._admitting: set[bytes] = set()  # entries read but not yet in the engine
+        self._admitting: set[tuple[str, bytes]] = set()  # (stream, entry) read but not yet in the engine
+        self.routed_stream = self.keys.routed_requests(self.worker_id)
         self._handed_off: OrderedDict[str, str] = OrderedDict()  # req_id -> decode_id, to forward late cancels
         self._tally = Tally()
 
     async def setup(self) -> None:
         await super().setup()
         await self.bus.ensure_group(self.keys.requests, PREFILL_GROUP)
+        await self.bus.ensure_group(self.routed_stream, PREFILL_GROUP)
+        await self.bus.redis.sadd(self.keys.routed_workers, self.worker_id)
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
         return [
+            self.consume(self.routed_stream, PREFILL_GROUP, self._on_routed, self._intake_capacity, self.stopping),
             self.consume(self.keys.requests, PREFILL_GROUP, self._on_request, self._intake_capacity, self.stopping),
             self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped),
             self._reclaim_loop(),
@@ -92,44 +99,60 @@ class PrefillWorker(Worker):
     async def trim(self) -> None:
         await super().trim()
         await self.bus.trim_acknowledged(self.keys.requests, PREFILL_GROUP)
+        await self.bus.trim_acknowledged(self.routed_stream, PREFILL_GROUP)
+
+    def status(self) -> WorkerStatus:
+        status = super().status()
+        status.num_queued_tokens = self._num_queued_tokens()
+        return status
 
     # -- intake ----------------------------------------------------------------------------------
 
+    def _num_queued_tokens(self) -> int:
+        return sum(t.num_prefill_tokens for t in self._tracked.values() if t.prefilled_at is None)
+
     def _intake_capacity(self) -> int:
-        """Read more only while the engine's queue is short of a step's token budget."""
+        """Read more only while the engine's queue is short of a step's token budget; entries read
+        from either stream and not yet handled count against the batch."""
         sched = self.settings.scheduler
-        queued = sum(t.num_prefill_tokens for t in self._tracked.values() if t.prefilled_at is None)
-        if self.draining or queued >= sched.max_num_batched_tokens:
+        if self.draining or self._num_queued_tokens() >= sched.max_num_batched_tokens:
             return 0
-        return min(INTAKE_BATCH, sched.max_num_seqs - len(self._tracked))
+        unread = len(self.unhandled[self.keys.requests]) + len(self.unhandled[self.routed_stream])
+        return min(INTAKE_BATCH - unread, sched.max_num_seqs - len(self._tracked) - unread)
 
     async def _on_request(self, entry_id: bytes, msg: Message | None) -> None:
+        await self._on_entry(self.keys.requests, entry_id, msg)
+
+    async def _on_routed(self, entry_id: bytes, msg: Message | None) -> None:
+        await self._on_entry(self.routed_stream, entry_id, msg)
+
+    async def _on_entry(self, stream: str, entry_id: bytes, msg: Message | None) -> None:
         if not isinstance(msg, GenerateRequest):
-            logger.error("dropping entry %s of the requests stream: not a generate request", entry_id.decode())
-            await self.ack(self.keys.requests, PREFILL_GROUP, entry_id)
+            logger.error("dropping entry %s of %s: not a generate request", entry_id.decode(), stream)
+            await self.ack(stream, PREFILL_GROUP, entry_id)
             return
-        await self.admit(entry_id, msg)
+        await self.admit(stream, entry_id, msg)
 
-    async def admit(self, entry_id: bytes, msg: GenerateRequest) -> None:
-        if entry_id in self._admitting:
+    async def admit(self, stream: str, entry_id: bytes, msg: GenerateRequest) -> None:
+        if (stream, entry_id) in self._admitting:
             return
-        self._admitting.add(entry_id)
+        self._admitting.add((stream, entry_id))
         try:
-            await self._admit(entry_id, msg)
+            await self._admit(stream, entry_id, msg)
         finally:
-            self._admitting.discard(entry_id)
+            self._admitting.discard((stream, entry_id))
 
-    async def _admit(self, entry_id: bytes, msg: GenerateRequest) -> None:
+    async def _admit(self, stream: str, entry_id: bytes, msg: GenerateRequest) -> None:
         known = self._tracked.get(msg.req_id)
         if known is not None:
             if msg.attempt <= known.msg.attempt:  # a duplicate of work in hand
-                if entry_id != known.entry_id:
-                    await self.ack(self.keys.requests, PREFILL_GROUP, entry_id)
+                if (stream, entry_id) != (known.stream, known.entry_id):
+                    await self.ack(stream, PREFILL_GROUP, entry_id)
                 return
             await self._cancel(known, f"superseded by attempt {msg.attempt}")
             # the old attempt's handoff, if any, fails at its next engine call and cleans up after itself
             await self.engine.call(self.engine.engine.abort_request, msg.req_id)
-        tracked = Tracked(msg, entry_id, arrived_at=entry_time(entry_id))
+        tracked = Tracked(msg, stream, entry_id, arrived_at=entry_time(entry_id))
         refusal = await self._refusal(msg)
         if refusal is not None:
             await self._finish_early(tracked, *refusal)
@@ -163,39 +186,62 @@ class PrefillWorker(Worker):
             finish_reason=finish_reason, worker_id=self.worker_id, error=error,
         )
         await self.send(self.keys.replies(tracked.msg.gateway_id), TokenBatch([update]))
-        await self.ack(self.keys.requests, PREFILL_GROUP, tracked.entry_id)
+        await self.ack(tracked.stream, PREFILL_GROUP, tracked.entry_id)
 
     async def _reclaim_loop(self) -> None:
         cfg = self.settings.worker
         while not self.stopping.is_set():
             await asyncio.sleep(cfg.heartbeat_ttl_s)
-            capacity = self._intake_capacity()
-            if capacity <= 0:
-                continue
-            held = {t.entry_id for t in self._tracked.values()} | self._admitting | self.unhandled[self.keys.requests]
             try:
-                for claimed in await self.reclaimer.claim(capacity, held):
-                    await self._take_over(claimed)
+                await self._reclaim()
             except (*REDIS_ERRORS, ResponseError) as e:
                 logger.warning("reclaiming abandoned requests: %s", e)
+
+    async def _reclaim(self) -> None:
+        """Pending entries of dead consumers (or of this worker's earlier life) on every requests
+        stream, then the never-read entries routed to workers that are gone."""
+        orphaned = await self.reclaimer.orphaned_streams()
+        for stream in [self.keys.requests, self.routed_stream, *(s for _, s in orphaned)]:
+            capacity = self._intake_capacity()
+            if capacity <= 0:
+                return
+            for claimed in await self.reclaimer.claim(stream, capacity, self._held(stream)):
+                await self._take_over(claimed)
+        for worker_id, stream in orphaned:
+            capacity = self._intake_capacity()
+            if capacity <= 0:
+                return
+            claimed_now = await self.reclaimer.read_orphans(stream, capacity)
+            for claimed in claimed_now:
+                await self._take_over(claimed)
+            if not claimed_now and await self.reclaimer.remove_if_exhausted(worker_id, stream):
+                logger.info("removed the requests stream of %s: it is gone and its stream drained", worker_id)
+
+    def _held(self, stream: str) -> set[bytes]:
+        """Entries of `stream` this worker holds or is about to handle: no reclaim takes them."""
+        return (
+            {t.entry_id for t in self._tracked.values() if t.stream == stream}
+            | {e for s, e in self._admitting if s == stream}
+            | self.unhandled[stream]
+        )
 
     async def _take_over(self, claimed: Claimed) -> None:
         msg = claimed.request
         if msg is None:
-            await self.ack(self.keys.requests, PREFILL_GROUP, claimed.entry_id)
+            await self.ack(claimed.stream, PREFILL_GROUP, claimed.entry_id)
         elif claimed.num_deliveries > self.settings.worker.max_deliveries:
             logger.error("dead-lettering %s: delivered %d times", msg.req_id, claimed.num_deliveries)
             await self.reclaimer.dead_letter(claimed, f"delivered {claimed.num_deliveries} times")
             await self._finish_early(
-                Tracked(msg, claimed.entry_id, entry_time(claimed.entry_id)), "abort",
+                Tracked(msg, claimed.stream, claimed.entry_id, entry_time(claimed.entry_id)), "abort",
                 f"the request failed {claimed.num_deliveries - 1} times; giving up",
             )
         else:
-            logger.warning("taking over %s from %s (delivery %d)", msg.req_id, claimed.previous_consumer,
-                           claimed.num_deliveries)
+            logger.warning("taking over %s from %s (delivery %d)", msg.req_id,
+                           claimed.previous_consumer or f"the stream {claimed.stream}", claimed.num_deliveries)
             msg.num_deliveries = claimed.num_deliveries
             try:
-                await self.admit(claimed.entry_id, msg)
+                await self.admit(claimed.stream, claimed.entry_id, msg)
             except Exception:
                 # a poison request must not end the reclaim loop, and the worker with it: its entry
                 # stays pending, is claimed again with one more delivery, and dead-lettered in the end
@@ -248,7 +294,7 @@ class PrefillWorker(Worker):
         if release:
             with contextlib.suppress(KeyError):  # already aborted
                 await self.engine.call(self.engine.engine.release, t.req_id)
-        await self.ack(self.keys.requests, PREFILL_GROUP, t.entry_id)
+        await self.ack(t.stream, PREFILL_GROUP, t.entry_id)
         if self._tracked.get(t.req_id) is t:
             del self._tracked[t.req_id]
         self.capacity_changed.set()
@@ -321,7 +367,8 @@ class PrefillWorker(Worker):
                 await self._fail(t, "the request's deadline passed while waiting for a decode worker")
                 return None, None
             candidates = [s for s in await with_backoff(
-                lambda: self.picker.candidates(offer.num_blocks), "listing decode workers", self.stopped
+                lambda: self.picker.candidates(offer.num_blocks, t.msg.decode_hint), "listing decode workers",
+                self.stopped,
             ) or [] if s.worker_id not in failed]
             if candidates:
                 alone_since = None

@@ -5,6 +5,9 @@ A block is in exactly one of three states:
   cached    ref_cnt == 0 and block_hash set: in the free queue, but a prefix hit revives it;
   empty     ref_cnt == 0 and no hash: in the free queue.
 The free queue is ordered by eviction priority: allocation takes from its front.
+
+Every change of the cached set (a hash stored, a hash evicted) goes to `on_event`, in order, so
+that a router elsewhere can mirror which prefixes this pool holds (services/kv_events.py).
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
+# (block_hash, stored): True when the hash became findable here, False when it was evicted
+BlockEventSink = Callable[[BlockHash, bool], None]
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -27,6 +32,14 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return BlockHash(digest.digest())
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Append to `hashes` (those of the first full blocks of `token_ids`) the hashes of the full blocks after them."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        start = len(hashes) * block_size
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    return hashes
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -47,6 +60,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self.on_event: BlockEventSink | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +78,10 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash a prefix lookup can find now: what a snapshot of `on_event`'s history gives."""
+        return list(self._cached)
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
@@ -102,10 +120,14 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        if self.on_event is not None:
+            self.on_event(block_hash, True)
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.on_event is not None:
+                self.on_event(block.block_hash, False)
             block.block_hash = None
 
     def check_invariants(self, expected_ref_counts: dict[int, int]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.engine.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from shared.engine.block_pool import Block, BlockHash, BlockPool, extend_block_hashes
 from shared.engine.request import ReqId, Request
 
 
@@ -52,12 +52,7 @@ class KVCacheManager:
 
     def block_hashes(self, req: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as its tokens grow."""
-        hashes = self._req_hashes.setdefault(req.req_id, [])
-        bs = self.block_size
-        while (len(hashes) + 1) * bs <= req.num_tokens:
-            start = len(hashes) * bs
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, req.token_ids[start : start + bs]))
-        return hashes
+        return extend_block_hashes(self._req_hashes.setdefault(req.req_id, []), req.token_ids, self.block_size)
 
     def find_cached_prefix(self, req: Request) -> list[Block]:
         """Cached blocks for the longest prefix of the request, leaving at least one token to compute."""
