@@ -73,6 +73,7 @@ class KVEventPublisher:
         self.wake = asyncio.Event()
         self._snapshot_seq: int | None = None
         self._snapshot_at = 0.0  # monotonic
+        self._checked_at = 0.0  # monotonic: the last look for the snapshot's key
 
     async def publish_events(self) -> None:
         ready = self.source.ready
@@ -88,11 +89,18 @@ class KVEventPublisher:
         except REDIS_ERRORS as e:  # readers see the gap and wait for a snapshot
             logger.warning("dropping %d KV event messages: Redis unavailable (%s)", len(batch), e)
 
-    def snapshot_due(self) -> bool:
-        # an unchanged cache is re-sent well before its key's TTL runs out
+    async def snapshot_due(self) -> bool:
+        """At most once an interval: when the cache changed, when the last snapshot nears its TTL, or
+        when its key is gone (Redis restarted empty: readers have nothing to rebuild from)."""
         age_s = time.monotonic() - self._snapshot_at
-        changed = self._snapshot_seq != self.source.seq
-        return age_s >= self.settings.snapshot_interval_s and (changed or age_s >= self.settings.snapshot_ttl_s / 2)
+        if age_s < self.settings.snapshot_interval_s:
+            return False
+        if self._snapshot_seq != self.source.seq or age_s >= self.settings.snapshot_ttl_s / 2:
+            return True
+        if time.monotonic() - self._checked_at < self.settings.snapshot_interval_s:
+            return False
+        self._checked_at = time.monotonic()
+        return not await self.bus.redis.exists(self.bus.keys.kv_snapshot(self.source.worker_id))
 
     async def publish_snapshot(self, snap: KVSnapshot) -> None:
         key = self.bus.keys.kv_snapshot(snap.worker_id)

@@ -367,13 +367,13 @@ class Worker:
             await _wait(publisher.wake, publisher.settings.snapshot_interval_s)
             publisher.wake.clear()
             await publisher.publish_events()
-            if publisher.snapshot_due():
-                snap = await self.engine.call(self.kv_events.snapshot, pool)
-                await publisher.publish_events()  # what the snapshot collected goes out before it
-                try:
+            try:
+                if await publisher.snapshot_due():
+                    snap = await self.engine.call(self.kv_events.snapshot, pool)
+                    await publisher.publish_events()  # what the snapshot collected goes out before it
                     await publisher.publish_snapshot(snap)
-                except REDIS_ERRORS as e:
-                    logger.warning("KV snapshot: Redis unavailable (%s)", e)
+            except REDIS_ERRORS as e:
+                logger.warning("KV snapshot: Redis unavailable (%s)", e)
 
     # -- heartbeat -------------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         gw.reader.add_done_callback(_log_reader_exit)
         watcher = asyncio.create_task(gw.dispatcher.watch(), name="migration-watch")
         kv_feed = asyncio.create_task(gw.kv_feed.run(), name="kv-index-feed")
+        kv_feed.add_done_callback(_log_feed_exit)
         stop_pool_watch = asyncio.Event()
         planner = settings.planner
         pool_watch = asyncio.create_task(watch_pools(
@@ -80,6 +81,11 @@ def _log_start(settings: GatewayServiceSettings, gateway_id: str, model_name: st
         f"on ({len(cfg.api_key_list)} keys)" if cfg.api_key_list else "off",
         cfg.max_queued_requests, cfg.max_queued_prompt_tokens, cfg.request_timeout_s,
     )  # fmt: skip
+
+
+def _log_feed_exit(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the KV index feed crashed; routing by load from now on", exc_info=task.exception())
 
 
 def _log_reader_exit(task: asyncio.Task[None]) -> None:

@@ -32,7 +32,7 @@ ROUTED_ROLES = ("prefill", "decode")
 class KVIndexFeed:
     def __init__(self, bus: Bus, index: KVIndex) -> None:
         self.bus, self.index = bus, index
-        self._last_id: bytes | str = "$"
+        self._last_id: bytes | None = None  # None: start at the stream's end
         self._polled_at = 0.0  # monotonic
         self._stopping = asyncio.Event()
 
@@ -51,12 +51,17 @@ class KVIndexFeed:
                 if self.index.workers:
                     logger.warning("KV events: Redis unavailable (%s); routing by load until the index is rebuilt", e)
                 self.index.clear()
-                self._last_id = "$"
+                self._last_id = None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_S)
 
     async def _read(self) -> None:
-        entries = await self.bus.read(self.bus.keys.kv_events, self._last_id, READ_COUNT, READ_BLOCK_MS)
+        stream = self.bus.keys.kv_events
+        if self._last_id is None:
+            # the end as an id, not "$": that would skip whatever arrives between two reads
+            newest = await self.bus.redis.xrevrange(stream, count=1)
+            self._last_id = newest[0][0] if newest else b"0-0"
+        entries = await self.bus.read(stream, self._last_id, READ_COUNT, READ_BLOCK_MS)
         for entry_id, msg in entries:
             self._last_id = entry_id
             if isinstance(msg, KVEvents):

@@ -30,7 +30,7 @@ from shared.settings import RedisSettings
 from shared.streams import PREFILL_GROUP, Bus
 from tests.services.stack_client import REDIS_URL
 from tests.services.stacks import FAST_HEARTBEAT, remove_kv_files
-from tests.services.test_faults import BOUND_S, assert_clean, until
+from tests.services.test_faults import BOUND_S, assert_clean, requests_streams, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -114,7 +114,9 @@ def test_a_prefill_worker_killed_holding_pending_requests_loses_and_doubles_noth
             holders: Counter[str] = Counter()
 
             def someone_holds_entries() -> bool:
-                pending = rds.xpending_range(stack.keys.requests, PREFILL_GROUP, min="-", max="+", count=100)
+                # on the shared stream, or routed to the worker that cached the prompt in the first run
+                pending = [p for stream in requests_streams(rds, stack.keys)
+                           for p in rds.xpending_range(stream, PREFILL_GROUP, min="-", max="+", count=100)]
                 holders.update(p["consumer"].decode() for p in pending)
                 return bool(pending) or not any(t.is_alive() for t in threads)
 

@@ -48,11 +48,17 @@ def until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+def requests_streams(rds: redis.Redis, keys: Keys) -> list[str]:
+    """The shared requests stream and those of the prefill workers a gateway may route to."""
+    return [keys.requests, *(keys.routed_requests(w.decode()) for w in sorted(rds.smembers(keys.routed_workers)))]
+
+
 def assert_clean(rds: redis.Redis, keys: Keys) -> None:
     """Every live decode pool empty, and no stream entry left unacknowledged."""
     until(lambda: all(s.free_blocks == s.total_blocks and s.num_running == 0 for s in live_decode(rds, keys)),
           "every decode worker to free its blocks")
-    assert rds.xpending(keys.requests, PREFILL_GROUP)["pending"] == 0
+    for stream in requests_streams(rds, keys):
+        assert rds.xpending(stream, PREFILL_GROUP)["pending"] == 0, stream
     for status in live_decode(rds, keys):
         until(lambda: rds.xpending(status.inbox, INBOX_GROUP)["pending"] == 0, f"{status.worker_id}'s inbox")
 

@@ -5,36 +5,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-
-import pytest
 
 from services.gateway.kv_index import KVIndex
 from services.gateway.router import Choice, Router
 from shared.engine.block_pool import extend_block_hashes
 from shared.protocol import KVEvents, WorkerStatus
-from shared.settings import RedisSettings, RoutingSettings
+from shared.settings import RoutingSettings
 from shared.streams import Bus
-from tests.services.stack_client import REDIS_URL
+from tests.services.test_kv_connector import bus  # noqa: F401 - the fixture: a Bus on its own namespace
 
 BLOCK_SIZE = 16
 PROMPT = list(range(1000, 1200))  # 12 full blocks
 
 
-@pytest.fixture
-async def bus() -> AsyncIterator[Bus]:
-    bus = Bus(RedisSettings(url=REDIS_URL, namespace=f"test-router-{uuid.uuid4().hex[:8]}"))
-    yield bus
-    keys = [key async for key in bus.redis.scan_iter(f"{bus.keys.namespace}:*")]
-    if keys:
-        await bus.redis.delete(*keys)
-    await bus.close()
-
-
-async def beat(bus: Bus, worker_id: str, role: str, queued: int = 0, running: int = 0, draining: bool = False) -> None:
+async def beat(bus: Bus, worker_id: str, role: str, queued: int = 0, draining: bool = False) -> None:
     status = WorkerStatus(
         worker_id=worker_id, role=role, inbox=bus.keys.inbox(worker_id), free_blocks=100, total_blocks=100,
-        num_running=running, num_waiting=0, timestamp=time.time(), draining=draining, num_queued_tokens=queued,
+        num_running=0, num_waiting=0, timestamp=time.time(), draining=draining, num_queued_tokens=queued,
     )  # fmt: skip
     await bus.publish_status(status, ttl_s=60)
 

@@ -8,13 +8,15 @@ import random
 import re
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
-from openai import OpenAI
+from openai import APIStatusError, OpenAI
 
+from services.gateway.kv_feed import SNAPSHOT_POLL_S
 from services.launcher import RedisServer, Stack, StackConfig
 from shared.streams import PREFILL_GROUP
 from tests.services.stacks import FAST_HEARTBEAT, remove_kv_files, request_holders, scrape
@@ -83,6 +85,15 @@ def complete(client: OpenAI, model: str, prompt: list[int], max_tokens: int) -> 
     assert out.usage is not None and out.usage.completion_tokens == max_tokens
     details = out.usage.prompt_tokens_details
     return out.choices[0].text, (details.cached_tokens or 0) if details is not None else 0
+
+
+def complete_or_retry(client: OpenAI, model: str, prompt: list[int]) -> str | None:
+    """`complete`'s text, or None for a 503 (with Retry-After) while the gateway reconnects to Redis."""
+    try:
+        return complete(client, model, prompt, 4)[0]
+    except APIStatusError as e:
+        assert e.status_code == 503
+        return None
 
 
 def routed(stack: Stack) -> dict[tuple[str, str, str], float]:
@@ -186,18 +197,19 @@ def test_a_routed_request_survives_its_decode_workers_kill(stack: Stack, client:
 
 
 def test_routing_recovers_after_redis_restarts_empty(stack: Stack, client: OpenAI, model: str,
-                                                     private_redis: RedisServer) -> None:
-    history = tokens(6, DOC_TOKENS)
-    expected, _ = complete(client, model, history, 4)
+                                                     private_redis: RedisServer, rds: redis.Redis) -> None:
+    history, probe = tokens(6, DOC_TOKENS), tokens(8, 40)
+    complete(client, model, history, 4)
+    expected = complete(client, model, probe, 4)[0]
     private_redis.stop()
     private_redis.start()
-    # every event and snapshot is gone; the workers still cache the history and say so again
-    until(lambda: complete(client, model, history, 4)[0] == expected, "the stack to serve again")
+    # a prompt unrelated to the history, so that only one prefill worker keeps holding it
+    until(lambda: complete_or_retry(client, model, probe) == expected, "the stack to serve again")
+    # every event and snapshot is gone; the workers, their caches unchanged, publish their snapshots again
+    prefill_ids = [s.decode() for s in rds.hkeys(stack.keys.workers("prefill"))]
+    until(lambda: all(rds.exists(stack.keys.kv_snapshot(w)) for w in prefill_ids), "the workers' snapshots")
+    time.sleep(2 * SNAPSHOT_POLL_S)  # the gateway reads them
     before = routed(stack)
-
-    def follow_up_routed() -> bool:
-        assert complete(client, model, history + tokens(7, 24), 4)[1] >= 0
-        return bool(by_overlap(routed_since(stack, before), "prefill"))
-
-    until(follow_up_routed, "a follow-up routed by its cached history again")
+    complete(client, model, history + tokens(7, 24), 4)
+    assert len(by_overlap(routed_since(stack, before), "prefill")) == 1
     assert stack.exited() == {}
