@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-dtypes", default="auto,bfloat16,fp8_e4m3,fp8_e5m2,int8")
     parser.add_argument("--kv-tokens", type=int, default=8192, help="the pool: this many tokens of the model's dtype")
     parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--prompt-lens", default="256,1024", help="min,max prompt tokens of the workload")
+    parser.add_argument("--output-lens", default="64,256", help="min,max output tokens of the workload")
     parser.add_argument("--decode-batch", type=int, default=4)
     parser.add_argument("--contexts", default="128,4096", help="contexts of the decode step times, in tokens")
     parser.add_argument("--handoff-tokens", type=int, default=1000)
@@ -146,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.model)
     model_dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     memory = args.kv_tokens // 16 * kv_block_bytes(loaded.config, 16, model_dtype)
-    # prompts of 256-1,024 tokens and 64-256 out: at 8k tokens of pool the widest format cannot hold all at once
-    work = make_workload(args.num_requests, 0, loaded.config.vocab_size, (256, 1024), (64, 256))
+    # by default the widest format's 8k tokens of pool hold a tenth of the 96 requests at once
+    prompt_lens, output_lens = (tuple(int(n) for n in lens.split(",")) for lens in (args.prompt_lens, args.output_lens))
+    work = make_workload(args.num_requests, 0, loaded.config.vocab_size, prompt_lens, output_lens)  # type: ignore[arg-type]
     tokenizer = Tokenizer.from_path(str(loaded.path))
     corpus = tokenizer.encode(TEXT * 40, add_special_tokens=False)
     prompts = [corpus[(i * 37) % 400:][:n] for i, n in enumerate(PROMPT_LENGTHS)]
