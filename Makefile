@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side bench-goodput bench-routing clean
+	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype clean
 
 install: $(STAMP)
 
@@ -37,6 +37,9 @@ bench-engine: install
 bench-kv-reservation: install
 	$(PY) -m bench.kv_reservation $(ARGS)
 
+bench-kv-dtype: install
+	$(PY) -m bench.kv_dtype $(ARGS)
+
 bench-interference: install
 	$(PY) -m bench.interference $(ARGS)
 
@@ -60,7 +63,7 @@ bench-routing: install
 	$(PY) -m bench.routing $(ARGS)
 
 bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput \
-	bench-routing
+	bench-routing bench-kv-dtype
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
