@@ -1,4 +1,4 @@
-"""Comparison e: the prefill -> decode KV handoff, by prompt length.
+"""The prefill -> decode KV handoff by prompt length, through one transport.
 
     python -m bench.handoff [--lengths 128,512,2048,7168 --requests-per-length 4 --output-len 4 --seed 0]
                             [--transport shm|tcp|redis]

@@ -107,7 +107,7 @@ class KVTransports:
     def choose(self, peer: KVPeer) -> str:
         if self.shm is not None and self.shm.shares_with(peer.shm_token):
             return "shm"
-        if self.speaks_tcp and peer.tcp_port is not None and peer.tcp_host and peer.tcp_token:
+        if self._reaches_by_tcp(peer):
             return "tcp"
         if self.settings.kv_transport != "redis" and peer.worker_id not in self._warned:
             self._warned.add(peer.worker_id)
@@ -117,6 +117,9 @@ class KVTransports:
                 "it has no data port" if self.speaks_tcp else f"this worker's kv_transport is {self.settings.kv_transport}",
             )
         return "redis"
+
+    def _reaches_by_tcp(self, peer: KVPeer) -> bool:
+        return self.speaks_tcp and peer.tcp_port is not None and bool(peer.tcp_host) and bool(peer.tcp_token)
 
     async def put(self, req_id: str, attempt: int, source: KVSource, peer: KVPeer) -> str:
         """Send one transfer to `peer`; returns the location its KVReady names. A TCP transfer
@@ -128,8 +131,10 @@ class KVTransports:
             try:
                 return await self.shm.put_filled(req_id, attempt, source.shape, source.dtype, source.read)
             except OSError as e:
-                logger.warning("KV of %s goes through Redis: writing it to %s failed (%s)", req_id, self.shm.directory, e)
-        elif transport == "tcp":
+                transport = "tcp" if self._reaches_by_tcp(peer) else "redis"
+                logger.warning("KV of %s goes through %s: writing it to %s failed (%s)", req_id,
+                               "the data port" if transport == "tcp" else "Redis", self.shm.directory, e)
+        if transport == "tcp":
             assert peer.tcp_port is not None
             header = TransferHeader(peer.tcp_token, req_id, attempt, self.worker_id, source.shape[0], source.num_bytes)
             await asyncio.to_thread(self._send_tcp, peer.tcp_host, peer.tcp_port, header, source)

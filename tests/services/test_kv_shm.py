@@ -170,7 +170,7 @@ async def test_a_failed_shared_memory_write_goes_through_redis(bus: Bus, shm_dir
     await decode.start()
     prefill = transports(bus, shm_dir, "prefill")
     assert prefill.shm is not None
-    prefill.shm.put_filled = _raises_enospc  # type: ignore[method-assign]  # the tmpfs is full
+    prefill.shm.put_filled = raises_enospc  # type: ignore[method-assign]  # the tmpfs is full
     kv = torch.ones(3)
 
     location = await prefill.put("r", 0, source_of(kv), KVPeer("decode", shm_token=decode.shm_token))
@@ -181,7 +181,7 @@ async def test_a_failed_shared_memory_write_goes_through_redis(bus: Bus, shm_dir
     await decode.close()
 
 
-async def _raises_enospc(*args: object) -> str:
+async def raises_enospc(*args: object) -> str:
     raise OSError(28, "No space left on device")
 
 

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from services.kv_transfer.tcp import TcpReceiver, TcpSender, recv_frame, send_fr
 from shared.settings import WorkerSettings
 from shared.streams import Bus
 from tests.services.test_kv_connector import bus  # noqa: F401  (the fixture)
+from tests.services.test_kv_shm import raises_enospc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -187,5 +189,32 @@ async def test_transports_send_to_a_decode_workers_data_port_over_tcp(bus: Bus) 
         assert prefill.transport_of(location) == "tcp" and decode.names == ["tcp", "redis"]
         assert b"".join(reservations.views()) == data.numpy().tobytes()
         await decode.discard(location)  # nothing to discard: the bytes are in the blocks
+    finally:
+        await decode.close()
+
+
+async def test_a_failed_shared_memory_write_goes_to_the_data_port_where_there_is_one(  # noqa: F811
+    bus: Bus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reservations = Reservations()
+    settings = WorkerSettings(kv_shm_dir=str(tmp_path), handoff_timeout_s=5)
+    decode = kv_transports(bus.redis, bus.keys, "ns", settings, "decode-0")
+    decode.listen(reservations.is_peer, reservations.claim, reservations.settle)
+    prefill = kv_transports(bus.redis, bus.keys, "ns", settings, "prefill-0")
+    await decode.start()
+    try:
+        assert prefill.shm is not None
+        prefill.shm.put_filled = raises_enospc  # type: ignore[method-assign]  # the tmpfs is full
+        data = payload()
+        source = KVSource((4 * SEGMENT,), torch.uint8, read=lambda out: data, views=lambda: [tensor_bytes(data)])
+        peer = KVPeer("decode-0", shm_token=decode.shm_token, tcp_host=decode.host, tcp_port=decode.port,
+                      tcp_token=TOKEN)
+        assert prefill.choose(peer) == "shm"
+
+        location = await prefill.put("req-1", 0, source, peer)
+
+        assert prefill.transport_of(location) == "tcp"
+        assert b"".join(reservations.views()) == data.numpy().tobytes()
+        assert "goes through the data port" in caplog.text and "No space left" in caplog.text
     finally:
         await decode.close()
