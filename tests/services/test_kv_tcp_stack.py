@@ -126,7 +126,8 @@ def test_a_decode_worker_killed_mid_transfer_has_the_request_offered_to_another(
     assert sum(prefill_metric(rds, stack.keys, FAILURES).values()) == sum(failures.values()) + 1
 
     until_killed(stack, faulty)
-    assert faulty not in [s.worker_id for s in live_decode(rds, stack.keys)]
+    until(lambda: faulty not in [s.worker_id for s in live_decode(rds, stack.keys)],
+          f"{faulty}'s heartbeat to lapse")
     assert_clean(rds, stack.keys)
     assert stack.exited() == {}
 
