@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -94,18 +96,20 @@ class Bus:
             socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=settings.socket_timeout_s,
             health_check_interval=10,
+            # a pooled connection from before a Redis restart fails on its first use: the command goes
+            # again on a fresh one instead of failing a request. Timeouts are not retried: the server
+            # may have run the command (an XADD twice)
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2, supported_errors=(RedisConnectionError,)),
         )
 
     async def close(self) -> None:
         await self.redis.aclose()
 
     async def ping(self) -> bool:
-        for _ in range(2):  # a pooled connection from before a Redis restart fails once, then reconnects
-            try:
-                return bool(await self.redis.ping())
-            except REDIS_ERRORS:
-                continue
-        return False
+        try:
+            return bool(await self.redis.ping())
+        except REDIS_ERRORS:
+            return False
 
     async def send(self, stream: str, msg: Message) -> bytes:
         return await self.redis.xadd(stream, {"m": encode(msg)})

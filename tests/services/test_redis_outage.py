@@ -131,3 +131,17 @@ async def test_a_request_is_not_requeued_while_redis_keeps_its_data(client: Test
 
 async def _is_empty(bus: Bus, stream: str) -> bool:
     return bool(await bus.redis.exists(stream)) and await bus.redis.xlen(stream) == 0
+
+
+async def test_connections_pooled_before_a_restart_serve_the_commands_after_it(
+    bus: Bus, redis_server: RedisServer
+) -> None:
+    # several connections in the pool at once, as a gateway's concurrent requests leave it
+    await asyncio.gather(*(bus.redis.blpop([f"{bus.keys.namespace}:idle:{i}"], timeout=0.2) for i in range(4)))
+    assert len(bus.redis.connection_pool._available_connections) == 4
+    await asyncio.to_thread(redis_server.stop)
+    await asyncio.to_thread(redis_server.start)
+    # each stale connection fails on its first use; the command must go again on a fresh one
+    keys = [f"{bus.keys.namespace}:after:{i}" for i in range(4)]
+    await asyncio.gather(*(bus.redis.set(key, 1) for key in keys))
+    assert await bus.redis.exists(*keys) == 4
