@@ -60,6 +60,10 @@ class WorkerMetrics:
         self.handoff_seconds = histogram(
             "llmd_handoff_seconds", "From a request's prefill finishing to its KV being ready on a decode worker."
         )
+        self.local_prefills = counter(
+            "llmd_local_prefills", "Requests a decode worker prefilled itself, without a handoff: it cached all "
+            "but a few tokens of their prompt (LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS)."
+        )
         self.torch_threads = gauge(
             "llmd_torch_threads", "Torch threads the engine steps on: its share of the host's core lease (0 while "
             "idle), or the fixed count."

@@ -210,6 +210,9 @@ class RoutingSettings(BaseModel):
                                                "beyond the least busy one get no hint")
     min_advantage_blocks: int = Field(2, ge=1, description="route by cache only when the best worker caches at "
                                       "least this many blocks more than the worst candidate")
+    local_prefill_max_tokens: int = Field(256, ge=0, description="a request whose best decode worker caches all "
+                                          "of its prompt but at most this many tokens is prefilled on that worker, "
+                                          "with no prefill worker and no KV handoff (0: never)")
 
 
 class PlannerSettings(BaseModel):

@@ -4,6 +4,7 @@
     data port ------------> token checked against the reservation, bytes straight into its blocks
     inbox --KVReady-------> fetch bytes and write blocks (tmpfs, Redis), commit: the request joins the next step
     inbox --Cancel--------> abort: its blocks are free before the next step
+    requests:<own id> ----> a prompt this worker caches all but a few tokens of: prefilled here (local_prefill.py)
     every step -----------> one TokenBatch per gateway, sent while the next step runs
 
 A reservation whose KVReady does not come within handoff_timeout_s is aborted, so a prefill
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from services.decode.local_prefill import LocalPrefill
 from services.decode.reservation import Reservation
 from services.kv_transfer import KVTransferError, TransferHeader
 from services.token_stream import Active, TokenStream
@@ -55,6 +57,7 @@ class Tally:
     num_joined: int = 0
     num_finished: int = 0
     num_cancelled: int = 0
+    num_prefilled_here: int = 0
 
 
 def handoff_from_offer(offer: HandoffOffer) -> Handoff:
@@ -96,25 +99,36 @@ class DecodeWorker(Worker):
         self._writing: dict[str, asyncio.Future[None]] = {}  # KV writes in flight, off the engine thread
         self._in_turn: dict[str, asyncio.Task[None]] = {}  # each request's latest offer or cancel being handled
         self.tokens = TokenStream(self)
-        self._tally = Tally()
+        self.local = LocalPrefill(self)
+        self.tally = Tally()
         self.kv.listen(self._is_kv_peer, self._claim_kv, self._kv_settled)
+
+    async def setup(self) -> None:
+        await super().setup()
+        await self.local.setup()
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
         inbox = self.consume(self.inbox, INBOX_GROUP, self._on_inbox, lambda: 64, self.stopped)
-        return [inbox, self.tokens.send_loop()]
+        return [inbox, self.local.consume(), self.tokens.send_loop()]
 
     def is_idle(self) -> bool:
         tokens = self.tokens
-        return not self._reserved and not tokens.active and tokens.num_unsent == 0 and not self.has_helpers
+        return (not self._reserved and not tokens.active and tokens.num_unsent == 0 and not self.has_helpers
+                and self.local.is_idle())
+
+    async def trim(self) -> None:
+        await super().trim()
+        await self.local.trim()
 
     def report(self, interval_s: float) -> str | None:
-        tally, self._tally = self._tally, Tally()
+        tally, self.tally = self.tally, Tally()
         stats = self.engine.stats
         if stats is None or not (tally.num_tokens or tally.num_joined or tally.num_cancelled):
             return None
         return (
             f"last {interval_s:.0f}s: {tally.num_tokens} tokens ({tally.num_tokens / interval_s:.1f}/s), "
-            f"{tally.num_joined} joined, {tally.num_finished} finished, {tally.num_cancelled} cancelled; "
+            f"{tally.num_joined} joined, {tally.num_prefilled_here} prefilled here, {tally.num_finished} finished, "
+            f"{tally.num_cancelled} cancelled; "
             f"now {stats.num_running} running, {stats.num_waiting} waiting, KV {100 * stats.kv.usage:.0f}% used"
         )
 
@@ -158,12 +172,12 @@ class DecodeWorker(Worker):
         if held is not None and held.offer.attempt == offer.attempt:  # re-offered after our answer got lost
             await self._answer(offer, held)
             return
-        known_attempt = self._known_attempt(offer.req_id)
+        known_attempt = self.known_attempt(offer.req_id)
         if known_attempt is not None:
             if known_attempt > offer.attempt:
                 await self._answer(offer, None)
                 return
-            await self._abort(offer.req_id, f"superseded by attempt {offer.attempt}")
+            await self.abort(offer.req_id, f"superseded by attempt {offer.attempt}")
         if (mismatch := self._kv_mismatch(offer)) is not None:
             logger.error("refusing %s: %s", offer.req_id, mismatch)
             await self._answer(offer, None, refused=mismatch)
@@ -179,7 +193,7 @@ class DecodeWorker(Worker):
         return (f"KV cache dtype mismatch: prefill worker {offer.prefill_id} stores {offer.kv_cache_dtype}, decode "
                 f"worker {self.worker_id} stores {ours}; start both with the same LLMD_KV_CACHE__DTYPE")
 
-    def _known_attempt(self, req_id: str) -> int | None:
+    def known_attempt(self, req_id: str) -> int | None:
         if (held := self._reserved.get(req_id)) is not None:
             return held.offer.attempt
         if (active := self.tokens.active.get(req_id)) is not None:
@@ -244,7 +258,7 @@ class DecodeWorker(Worker):
         try:
             data = await self._fetch(held, msg)
         except KVTransferError as e:
-            await self._abort(msg.req_id, str(e))
+            await self.abort(msg.req_id, str(e))
             await self._fail(held.offer, f"KV transfer failed: {e}")
             return
         if self._reserved.get(msg.req_id) is not held:  # cancelled or expired during the fetch
@@ -277,7 +291,7 @@ class DecodeWorker(Worker):
             await self._fail(offer, f"KV import failed: {e}")
         else:
             self.wake_engine()
-            self._tally.num_joined += 1
+            self.tally.num_joined += 1
             logger.debug("imported %s: %d blocks, %d bytes", msg.req_id, len(msg.block_positions), msg.num_bytes)
         await self._discard(msg.location)
 
@@ -312,28 +326,29 @@ class DecodeWorker(Worker):
         if error is None:
             held.landed = True
         else:
-            await self._abort(header.req_id, f"its KV transfer failed: {error}")
+            await self.abort(header.req_id, f"its KV transfer failed: {error}")
 
     async def _on_cancel(self, msg: Cancel) -> None:
-        held_attempt = self._known_attempt(msg.req_id)
+        held_attempt = self.known_attempt(msg.req_id)
         if held_attempt is None:
             return
         if not msg.covers(held_attempt):  # meant for an attempt this worker no longer runs
             logger.info("ignoring a cancel of %s attempt %s (%s): attempt %d runs here", msg.req_id, msg.attempt,
                         msg.reason, held_attempt)
             return
-        await self._abort(msg.req_id, msg.reason)
+        await self.abort(msg.req_id, msg.reason)
 
-    async def _abort(self, req_id: str, reason: str) -> None:
+    async def abort(self, req_id: str, reason: str) -> None:
         held = self._reserved.pop(req_id, None)
         if held is not None:
             held.expiry.cancel()
             await self.kv.stop_receiving(req_id, held.offer.attempt)  # freed blocks may go to another request
         self.tokens.active.pop(req_id, None)
+        await self.local.forget(req_id)
         if (write := self._writing.get(req_id)) is not None:
             await asyncio.wait([write])  # freed blocks may go to another request: never while written to
         await self.engine.call(self.engine.engine.abort_request, req_id)
-        self._tally.num_cancelled += 1
+        self.tally.num_cancelled += 1
         logger.info("aborted %s (%s); its blocks are free", req_id, reason)
 
     async def _discard(self, location: str) -> None:
@@ -350,6 +365,6 @@ class DecodeWorker(Worker):
     # -- outputs ---------------------------------------------------------------------------------
 
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in self.tokens.push(outputs):
-            self._tally.num_tokens += len(out.new_token_ids)
-            self._tally.num_finished += out.is_finished
+        for out in self.tokens.push(outputs, self.local.first_tokens(outputs)):
+            self.tally.num_tokens += len(out.new_token_ids)
+            self.tally.num_finished += out.is_finished

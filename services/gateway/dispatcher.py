@@ -65,8 +65,9 @@ class Dispatcher:
         msg = req.to_message(self.gateway_id)
         route = await self._routing.route([*msg.prompt_token_ids, *msg.output_token_ids])
         msg.decode_hint = route.decode.worker_id
-        prefill_id = route.prefill.worker_id
+        prefill_id = route.prefill.worker_id  # a decode worker where it prefills the request itself
         stream = self._bus.keys.requests if prefill_id is None else self._bus.keys.routed_requests(prefill_id)
+        req.queued_on = prefill_id
         await self._bus.send(stream, msg)
 
     def release(self, req: InflightRequest) -> None:

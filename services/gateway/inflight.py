@@ -32,6 +32,7 @@ class InflightRequest:
     attempt: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     worker_id: str | None = None
+    queued_on: str | None = None  # the worker whose own requests stream it was put on, if any
     is_finished: bool = False
 
     def to_message(self, gateway_id: str) -> GenerateRequest:

@@ -62,7 +62,8 @@ class GatewayMetrics:
         )
         self.routed_requests = Counter(
             "llmd_routed_requests", "Requests routed, by stage (prefill, decode), by what decided (overlap: the "
-            "worker caching most of the prompt; load: the shared stream, or no decode hint) and worker ('' for load).",
+            "worker caching most of the prompt; load: the shared stream, or no decode hint; local: prefilled on the "
+            "decode worker that caches all but a few of its tokens) and worker ('' for load).",
             ["model_name", "stage", "by", "worker_id"], registry=self.registry,
         )
         self.routed_matched_blocks = Counter(

@@ -166,11 +166,14 @@ class ReplyRouter:
 
 async def cancel_on_holders(bus: Bus, req: InflightRequest, reason: str, attempt: int | None = None) -> None:
     """Send a Cancel (fenced to `attempt`, None: any) to the workers that may hold `req`: the one
-    last heard from; before any token, every live prefill or colocated worker (one may be computing it)."""
+    last heard from; before any token, every live prefill or colocated worker (one may be computing it)
+    and the worker it was routed to (a decode worker that prefills it itself)."""
     if req.worker_id is not None:
         holders = [req.worker_id]
     else:
         holders = [status.worker_id for role in STAGE_ROLES["prefill"] for status in await bus.live_workers(role)]
+        if req.queued_on is not None and req.queued_on not in holders:
+            holders.append(req.queued_on)
     for worker_id in holders:
         await bus.send(bus.keys.inbox(worker_id), Cancel(req.req_id, reason, attempt))
 

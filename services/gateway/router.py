@@ -5,6 +5,8 @@ For each stage, over the live workers that are not draining:
 
         prefill: score(w) = matched_tokens(w) - load_weight * queued_tokens(w)
     decode:  the most matched blocks, among workers with room for the rest of the prompt
+    local:   that decode worker prefills the request itself when at most local_prefill_max_tokens
+             of the prompt are not cached there (no prefill worker, no KV handoff)
 
 `matched` is the longest prefix of the prompt the worker caches (the KV index, fed by the
 workers' events): a prefill worker skips computing it, a decode worker need not receive it.
@@ -43,10 +45,11 @@ class Choice:
     stage: str  # "prefill" | "decode"
     worker_id: str | None
     num_matched_blocks: int
+    local: bool = False  # prefill only: `worker_id` is the decode worker, which prefills it itself
 
     @property
     def by(self) -> str:
-        return "load" if self.worker_id is None else "overlap"
+        return "local" if self.local else "load" if self.worker_id is None else "overlap"
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,11 +75,13 @@ class Router:
             await self._refresh()
             block_size = next(iter(self.index.workers.values())).block_size  # one model: one block size
             hashes = extend_block_hashes([], token_ids, block_size)
-            route = Route(self._choose_prefill(hashes, block_size), self._choose_decode(hashes))
-            if route.prefill.worker_id is not None:
+            decode, best_decode = self._choose_decode(hashes)
+            local = self._local_route(best_decode, len(token_ids), block_size)
+            route = local or Route(self._choose_prefill(hashes, block_size), decode)
+            if route.prefill.worker_id is not None and not route.prefill.local:
                 self._routed.setdefault(route.prefill.worker_id, []).append((time.time(), len(token_ids)))
-        logger.debug("route of %d tokens: prefill %s (%d blocks matched), decode %s (%d blocks matched)",
-                     len(token_ids), route.prefill.worker_id or "by load", route.prefill.num_matched_blocks,
+        logger.debug("route of %d tokens: prefill %s by %s (%d blocks matched), decode %s (%d blocks matched)",
+                     len(token_ids), route.prefill.worker_id or "any", route.prefill.by, route.prefill.num_matched_blocks,
                      route.decode.worker_id or "by load", route.decode.num_matched_blocks)
         self._on_route(route)
         return route
@@ -93,11 +98,12 @@ class Router:
         best = max(candidates, key=lambda w: (matched[w] * block_size - cfg.load_weight * loads[w], -loads[w], w))
         return self._pick("prefill", best, matched)
 
-    def _choose_decode(self, hashes: list[bytes]) -> Choice:
+    def _choose_decode(self, hashes: list[bytes]) -> tuple[Choice, Choice | None]:
+        """The decode choice, and the candidate caching the most even where that does not set it apart."""
         cfg = self.settings
         statuses = self._usable("decode")
         if not statuses:
-            return Choice("decode", None, 0)
+            return Choice("decode", None, 0), None
         least = min(s.num_running for s in statuses)
         matched = {s.worker_id: self.index.num_matched_blocks(s.worker_id, hashes) for s in statuses}
         candidates = [
@@ -106,9 +112,19 @@ class Router:
             and s.free_blocks >= len(hashes) - matched[s.worker_id]  # room for the blocks it would receive
         ]
         if not candidates:
-            return Choice("decode", None, max(matched.values()))
+            return Choice("decode", None, max(matched.values())), None
         best = max(candidates, key=lambda s: (matched[s.worker_id], s.free_blocks, -s.num_running, s.worker_id))
-        return self._pick("decode", best.worker_id, {s.worker_id: matched[s.worker_id] for s in candidates})
+        choice = self._pick("decode", best.worker_id, {s.worker_id: matched[s.worker_id] for s in candidates})
+        return choice, Choice("decode", best.worker_id, matched[best.worker_id])
+
+    def _local_route(self, best_decode: Choice | None, num_tokens: int, block_size: int) -> Route | None:
+        """Prefill and decode on the decode worker that caches all but a few tokens of the prompt, or None."""
+        limit = self.settings.local_prefill_max_tokens
+        if best_decode is None or not best_decode.num_matched_blocks or limit <= 0:
+            return None
+        if num_tokens - best_decode.num_matched_blocks * block_size > limit:
+            return None
+        return Route(Choice("prefill", best_decode.worker_id, best_decode.num_matched_blocks, local=True), best_decode)
 
     def _pick(self, stage: str, best: str, matched: dict[str, int]) -> Choice:
         if matched[best] - min(matched.values()) < self.settings.min_advantage_blocks:

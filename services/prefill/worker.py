@@ -27,6 +27,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from services.intake import finish_early, refusal
 from services.kv_transfer import KVPeer, KVSource, KVTransferError
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
@@ -153,9 +154,9 @@ class PrefillWorker(Worker):
             # the old attempt's handoff, if any, fails at its next engine call and cleans up after itself
             await self.engine.call(self.engine.engine.abort_request, msg.req_id)
         tracked = Tracked(msg, stream, entry_id, arrived_at=entry_time(entry_id))
-        refusal = await self._refusal(msg)
-        if refusal is not None:
-            await self._finish_early(tracked, *refusal)
+        refused = await refusal(self, msg)
+        if refused is not None:
+            await self._finish_early(tracked, *refused)
             return
         try:
             engine = self.engine.engine
@@ -171,22 +172,8 @@ class PrefillWorker(Worker):
         logger.debug("admitted %s (%d prompt tokens, attempt %d)", msg.req_id, tracked.num_prefill_tokens, msg.attempt)
         self.wake_engine()
 
-    async def _refusal(self, msg: GenerateRequest) -> tuple[str, str | None] | None:
-        if msg.deadline is not None and msg.deadline < time.time():
-            return "abort", "the request's deadline passed before a prefill worker picked it up"
-        is_cancelled = await with_backoff(
-            lambda: self.bus.redis.exists(self.keys.cancelled(msg.req_id)), "checking cancel marks", self.stopped
-        )
-        return ("abort", None) if is_cancelled else None
-
     async def _finish_early(self, tracked: Tracked, finish_reason: str, error: str | None) -> None:
-        """Answer a request that will not run (cancelled, expired, invalid) and acknowledge it."""
-        update = TokenUpdate(
-            req_id=tracked.req_id, attempt=tracked.msg.attempt, index=tracked.first_index, token_ids=[],
-            finish_reason=finish_reason, worker_id=self.worker_id, error=error,
-        )
-        await self.send(self.keys.replies(tracked.msg.gateway_id), TokenBatch([update]))
-        await self.ack(tracked.stream, PREFILL_GROUP, tracked.entry_id)
+        await finish_early(self, tracked.msg, tracked.stream, tracked.entry_id, finish_reason, error)
 
     async def _reclaim_loop(self) -> None:
         cfg = self.settings.worker

@@ -16,6 +16,7 @@ from tests.services.test_kv_connector import bus  # noqa: F401 - the fixture: a 
 
 BLOCK_SIZE = 16
 PROMPT = list(range(1000, 1200))  # 12 full blocks
+PREFILL_ROUTING = RoutingSettings(local_prefill_max_tokens=0)  # what goes to a prefill worker
 
 
 async def beat(bus: Bus, worker_id: str, role: str, queued: int = 0, draining: bool = False) -> None:
@@ -47,20 +48,20 @@ async def two_by_two(bus: Bus, p0_queued: int = 0, p0_draining: bool = False) ->
 
 async def test_the_workers_caching_most_of_the_prompt_get_it(bus: Bus) -> None:
     index = await two_by_two(bus)
-    route = await Router(bus, index, RoutingSettings()).route(PROMPT)
+    route = await Router(bus, index, PREFILL_ROUTING).route(PROMPT)
     assert (route.prefill, route.decode) == (Choice("prefill", "p0", 10), Choice("decode", "d1", 10))
 
 
 async def test_a_prefill_worker_queued_far_beyond_the_others_gets_nothing_routed(bus: Bus) -> None:
     index = await two_by_two(bus, p0_queued=RoutingSettings().max_imbalance_tokens + 1)
-    route = await Router(bus, index, RoutingSettings()).route(PROMPT)
+    route = await Router(bus, index, PREFILL_ROUTING).route(PROMPT)
     assert route.prefill == Choice("prefill", None, 1)  # p1 alone is a candidate: by load, the shared stream
     assert route.decode.worker_id == "d1"
 
 
 async def test_prompts_routed_since_the_last_heartbeat_count_as_queued(bus: Bus) -> None:
     index = await two_by_two(bus)
-    router = Router(bus, index, RoutingSettings(load_weight=1.0))
+    router = Router(bus, index, RoutingSettings(load_weight=1.0, local_prefill_max_tokens=0))
     # p0 saves 9 blocks (144 tokens) over p1; one 200-token prompt queued on it outweighs that
     assert (await router.route(PROMPT)).prefill.worker_id == "p0"
     assert (await router.route(PROMPT)).prefill == Choice("prefill", None, 10)
@@ -69,8 +70,25 @@ async def test_prompts_routed_since_the_last_heartbeat_count_as_queued(bus: Bus)
 async def test_a_draining_worker_gets_nothing_and_equal_caches_leave_it_to_load(bus: Bus) -> None:
     index = await two_by_two(bus, p0_draining=True)
     caches(index, "d0", "decode", 10)
-    route = await Router(bus, index, RoutingSettings()).route(PROMPT)
+    route = await Router(bus, index, PREFILL_ROUTING).route(PROMPT)
     assert (route.prefill, route.decode) == (Choice("prefill", None, 1), Choice("decode", None, 10))
+
+
+async def test_a_prompt_a_decode_worker_caches_all_but_a_few_tokens_of_is_prefilled_there(bus: Bus) -> None:
+    index = await two_by_two(bus)  # d1 caches 160 of the 200 tokens
+    route = await Router(bus, index, RoutingSettings(local_prefill_max_tokens=40)).route(PROMPT)
+    assert (route.prefill, route.decode) == (Choice("prefill", "d1", 10, local=True), Choice("decode", "d1", 10))
+    assert route.prefill.by == "local"
+    route = await Router(bus, index, RoutingSettings(local_prefill_max_tokens=39)).route(PROMPT)
+    assert (route.prefill, route.decode) == (Choice("prefill", "p0", 10), Choice("decode", "d1", 10))
+
+
+async def test_of_decode_workers_caching_the_prompt_alike_one_prefills_it(bus: Bus) -> None:
+    index = await two_by_two(bus)
+    caches(index, "d0", "decode", 10)  # both decode workers: no advantage either way, so no decode hint
+    assert (await Router(bus, index, PREFILL_ROUTING).route(PROMPT)).decode == Choice("decode", None, 10)
+    route = await Router(bus, index, RoutingSettings()).route(PROMPT)
+    assert route.prefill.local and route.decode.worker_id == route.prefill.worker_id in ("d0", "d1")
 
 
 async def test_without_an_index_or_with_routing_off_everything_goes_by_load(bus: Bus) -> None:

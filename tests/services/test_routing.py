@@ -1,6 +1,7 @@
 """Cache-aware routing on a real 2 prefill + 2 decode stack (private Redis): a conversation's next
-turn goes to the workers that hold its history, and it stays correct when those workers are
-SIGKILLed or Redis restarts empty (the index is rebuilt from the workers' snapshots)."""
+turn goes to the workers that hold its history, a short one is prefilled on the decode worker
+that holds it, and it stays correct when those workers are SIGKILLed or Redis restarts empty (the
+index is rebuilt from the workers' snapshots)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,30 @@ import pytest
 import redis
 from openai import APIStatusError, OpenAI
 
+from bench.stack_harness import scrape_metrics
 from services.gateway.kv_feed import SNAPSHOT_POLL_S
 from services.launcher import RedisServer, Stack, StackConfig
+from shared.engine.sampling_params import SamplingParams
+from shared.model.loader import LoadedModel, default_model_path
 from shared.streams import PREFILL_GROUP
-from tests.services.stacks import FAST_HEARTBEAT, remove_kv_files, request_holders, scrape
+from shared.text.tokenizer import Tokenizer
+from tests.services.stack_client import offline_greedy
+from tests.services.stacks import (
+    FAST_HEARTBEAT,
+    kv_bytes_by_transport,
+    live_workers,
+    remove_kv_files,
+    request_holders,
+    scrape,
+)
 from tests.services.test_faults import BOUND_S, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 VOCAB = 49152
 DOC_TOKENS = 320  # 20 blocks of 16 tokens
+LOCAL_PREFILL_MAX_TOKENS = 64
+LONG_TURN = 80  # new tokens of a follow-up that a prefill worker computes
 ENV = {
     **FAST_HEARTBEAT,
     "LLMD_KV_CACHE__MEMORY_BYTES": str(128 * 2**20),
@@ -34,6 +49,7 @@ ENV = {
     # the holder of a history gets every follow-up, however many are queued on it
     "LLMD_ROUTING__LOAD_WEIGHT": "0",
     "LLMD_ROUTING__MAX_IMBALANCE_TOKENS": "100000",
+    "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": str(LOCAL_PREFILL_MAX_TOKENS),
 }
 # small prefill steps: a long prompt takes many steps, and one queued prompt fills the intake
 PREFILL_ENV = {"LLMD_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "64"}
@@ -120,13 +136,34 @@ def test_a_follow_up_goes_to_the_workers_that_hold_its_history(stack: Stack, cli
     history = tokens(1, DOC_TOKENS)
     complete(client, model, history, 4)  # the first turn: nobody caches it, routed by load
     before = routed(stack)
-    _, num_cached = complete(client, model, history + tokens(2, 40), 4)
+    _, num_cached = complete(client, model, history + tokens(2, LONG_TURN), 4)
     counts = routed_since(stack, before)
     assert len(by_overlap(counts, "prefill")) == 1 and len(by_overlap(counts, "decode")) == 1, counts
     assert num_cached >= DOC_TOKENS - 16  # the whole history but its partial last block
     metrics = scrape(stack.base_url)
     assert re.search(r'^llmd_routed_matched_blocks_total\{[^}]*stage="prefill"[^}]*\} [1-9]', metrics, re.MULTILINE)
     assert re.search(r"^llmd_worker_cached_tokens_total\{[^}]*\} [1-9]", metrics, re.MULTILINE)
+
+
+def test_a_short_follow_up_is_prefilled_on_the_decode_worker_that_holds_its_history(
+    stack: Stack, client: OpenAI, model: str, rds: redis.Redis, loaded_model: LoadedModel
+) -> None:
+    history = tokens(12, DOC_TOKENS)
+    complete(client, model, history, 4)
+    follow_up = history + tokens(13, LOCAL_PREFILL_MAX_TOKENS - 8)
+    handed_off, before = kv_bytes_by_transport(rds, stack.keys), routed(stack)
+    text, num_cached = complete(client, model, follow_up, 8)
+    counts = routed_since(stack, before)
+    local = {worker: n for (stage, by, worker), n in counts.items() if (stage, by) == ("prefill", "local")}
+    assert list(local.values()) == [1] and by_overlap(counts, "decode") == local, counts
+    assert num_cached == DOC_TOKENS  # the decode worker holds the history the first turn's handoff brought
+    assert kv_bytes_by_transport(rds, stack.keys) == handed_off  # no KV moved
+    (holder,) = [s for s in live_workers(rds, stack.keys, "decode") if s.worker_id in local]
+    holder_metrics = scrape_metrics(f"http://127.0.0.1:{holder.health_port}/metrics")
+    assert sum(v for k, v in holder_metrics.items() if k.startswith("llmd_local_prefills_total")) == 1
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (expected,) = offline_greedy(loaded_model, [follow_up], greedy)
+    assert text == Tokenizer.from_path(str(default_model_path())).decode(expected)
 
 
 def test_requests_routed_to_a_prefill_worker_that_is_killed_are_taken_over(
@@ -210,6 +247,6 @@ def test_routing_recovers_after_redis_restarts_empty(stack: Stack, client: OpenA
     until(lambda: all(rds.exists(stack.keys.kv_snapshot(w)) for w in prefill_ids), "the workers' snapshots")
     time.sleep(2 * SNAPSHOT_POLL_S)  # the gateway reads them
     before = routed(stack)
-    complete(client, model, history + tokens(7, 24), 4)
+    complete(client, model, history + tokens(7, LONG_TURN), 4)
     assert len(by_overlap(routed_since(stack, before), "prefill")) == 1
     assert stack.exited() == {}
