@@ -2,14 +2,17 @@
 
     python -m bench.routing [--conversations 8 --turns 4 --system-len 1000 --user-len 64 --output-len 16 --seed 0]
 
-Two stacks, one after the other, each 2 prefill + 2 decode workers with the same settings except
-LLMD_ROUTING__ENABLED. --conversations chats run side by side, each for --turns turns: a turn
-sends the whole history (a --system-len token system prompt that all conversations share, then
-every earlier user message and answer) plus a new --user-len token message, and gets
---output-len tokens (greedy, so both modes see the same answers). Measured per mode: the prefix
-hit rate of the follow-up turns (the answers' cached prompt tokens over their prompt tokens),
-TTFT p50/p99 over every turn, the KV bytes handed from prefill to decode per request (the prefill
-workers' llmd_handoff_bytes), and the requests the gateway routed by overlap.
+Three stacks, one after the other, with the same settings but these: 2 prefill + 2 decode
+workers with routing off (LLMD_ROUTING__ENABLED=false: today's shared stream) and on (with local
+prefill on the decode worker that holds a follow-up's history), and 1 + 1 workers (what a single
+pair caches, the hit rate to match). --conversations chats run side by side, each for --turns
+turns: a turn sends the whole history (a --system-len token system prompt that all conversations
+share, then every earlier user message and answer) plus a new --user-len token message, and gets
+--output-len tokens (greedy, so every mode sees the same answers). The first turns all run
+first, then the follow-ups, so that each phase's KV handoffs are counted apart. Measured per
+mode, over the follow-up turns: the prefix hit rate (cached prompt tokens over prompt tokens),
+TTFT p50/p99, the KV bytes handed from prefill to decode per follow-up (the prefill workers'
+llmd_handoff_bytes), the requests prefilled on their decode worker, and those routed by overlap.
 Prints a Markdown table and writes bench/results/routing.json.
 """
 
@@ -43,7 +46,7 @@ from services.launcher import Stack
 from shared.model.loader import resolve_model_path
 
 NAME = "routing"
-MODES = (("off", False), ("on", True))
+MODES = (("2+2, off", 2, False), ("2+2, on", 2, True), ("1+1, on", 1, True))  # name, workers per role, routing
 MIB = 2**20
 KV_BYTES = 256 * 2**20  # per worker: every conversation's history fits, so evictions do not blur the comparison
 
@@ -59,8 +62,8 @@ class Turn:
 class ModeRun:
     mode: str
     turns: list[Turn]
-    handoff_bytes: float
-    routed: dict[str, float]  # "prefill"/"decode" -> requests routed by overlap
+    follow_up_handoff_bytes: float
+    routed: dict[str, float]  # "prefill"/"decode" -> requests routed by overlap, "local" -> prefilled on decode
     duration_s: float
 
     @property
@@ -73,11 +76,11 @@ class ModeRun:
         return sum(r.num_cached_tokens for r in self.follow_ups) / max(1, prompt)
 
     def ttft_ms(self, q: float) -> float:
-        return float(np.percentile([t.result.ttft_s for t in self.turns if t.result.ttft_s is not None], q)) * 1000
+        return float(np.percentile([r.ttft_s for r in self.follow_ups if r.ttft_s is not None], q)) * 1000
 
     @property
-    def mib_per_request(self) -> float:
-        return self.handoff_bytes / MIB / max(1, len(self.turns))
+    def mib_per_follow_up(self) -> float:
+        return self.follow_up_handoff_bytes / MIB / max(1, len(self.follow_ups))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,23 +94,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def chat(target: Target, session: aiohttp.ClientSession, system: list[int], messages: list[list[int]],
-               args: argparse.Namespace, conversation: int, encode: Any) -> list[Turn]:
-    """One conversation, turn after turn; each answer joins the history the next turn sends."""
-    history, turns = list(system), []
-    loop = asyncio.get_running_loop()
-    for i, message in enumerate(messages):
-        history += message
-        req = BenchRequest(prompt=list(history), num_prompt_tokens=len(history), max_tokens=args.output_len)
-        result = await send_request(session, target, req, loop.time)
-        if result.error is not None:
-            raise RuntimeError(f"conversation {conversation} turn {i}: {result.error}")
-        turns.append(Turn(conversation, i, result))
-        history += encode(result.text)
-    return turns
+@dataclass(slots=True)
+class Conversation:
+    """One chat: the history the next turn sends (each answer joins it), and its turns so far."""
+
+    index: int
+    history: list[int]
+    messages: list[list[int]]
+    turns: list[Turn]
+
+    async def take_turns(self, target: Target, session: aiohttp.ClientSession, turns: range,
+                         args: argparse.Namespace, encode: Any) -> None:
+        loop = asyncio.get_running_loop()
+        for i in turns:
+            self.history += self.messages[i]
+            req = BenchRequest(prompt=list(self.history), num_prompt_tokens=len(self.history),
+                               max_tokens=args.output_len)
+            result = await send_request(session, target, req, loop.time)
+            if result.error is not None:
+                raise RuntimeError(f"conversation {self.index} turn {i}: {result.error}")
+            self.turns.append(Turn(self.index, i, result))
+            self.history += encode(result.text)
 
 
-async def run_chats(base_url: str, args: argparse.Namespace) -> tuple[list[Turn], float]:
+async def run_chats(stack: Stack, args: argparse.Namespace) -> tuple[list[Turn], float, float]:
+    """Every conversation's turns: (turns, seconds, KV bytes handed off during the follow-ups)."""
     rng = np.random.default_rng(args.seed)
     vocab = vocab_ids()
     system = rng.choice(vocab, args.system_len).tolist()
@@ -118,42 +129,48 @@ async def run_chats(base_url: str, args: argparse.Namespace) -> tuple[list[Turn]
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    chats = [Conversation(c, list(system), messages[c], []) for c in range(args.conversations)]
     async with aiohttp.ClientSession() as session:
-        model = await fetch_model_name(session, base_url, SCRAPE_TIMEOUT_S)
-        target = Target(url=f"{base_url}/v1/completions", model=model, timeout_s=REQUEST_TIMEOUT_S)
+        model = await fetch_model_name(session, stack.base_url, SCRAPE_TIMEOUT_S)
+        target = Target(url=f"{stack.base_url}/v1/completions", model=model, timeout_s=REQUEST_TIMEOUT_S)
         # untimed: fresh tokens, so it primes no prefix of the run
         warm = BenchRequest(prompt=rng.choice(vocab, 64).tolist(), num_prompt_tokens=64, max_tokens=2)
         await send_request(session, target, warm, asyncio.get_running_loop().time)
         started = asyncio.get_running_loop().time()
-        runs = await asyncio.gather(*(chat(target, session, system, messages[c], args, c, encode)
-                                      for c in range(args.conversations)))
+        await asyncio.gather(*(c.take_turns(target, session, range(1), args, encode) for c in chats))
+        before = await asyncio.to_thread(handoff_bytes, stack)
+        await asyncio.gather(*(c.take_turns(target, session, range(1, args.turns), args, encode) for c in chats))
+        follow_up_bytes = await asyncio.to_thread(handoff_bytes, stack) - before
         duration_s = asyncio.get_running_loop().time() - started
-    return [t for turns in runs for t in turns], duration_s
+    return [t for c in chats for t in c.turns], duration_s, follow_up_bytes
 
 
-def routed_by_overlap(samples: dict[str, float], stage: str) -> float:
+def handoff_bytes(stack: Stack) -> float:
+    return metric_sum(scrape_workers(stack, "prefill"), "llmd_handoff_bytes_total")
+
+
+def routed_by(samples: dict[str, float], stage: str, by: str) -> float:
     return sum(v for k, v in samples.items()
-               if k.startswith("llmd_routed_requests_total{") and 'by="overlap"' in k and f'stage="{stage}"' in k)
+               if k.startswith("llmd_routed_requests_total{") and f'by="{by}"' in k and f'stage="{stage}"' in k)
 
 
-def run_mode(mode: str, enabled: bool, args: argparse.Namespace) -> ModeRun:
+def run_mode(mode: str, num_workers: int, enabled: bool, args: argparse.Namespace) -> ModeRun:
     env = {"LLMD_ROUTING__ENABLED": str(enabled).lower(), "LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES)}
-    print(f"routing {mode}: starting 2 prefill + 2 decode workers", file=sys.stderr)
-    with Stack(stack_config(env, num_prefill=2, num_decode=2)) as stack:
-        before = scrape_workers(stack, "prefill")
-        turns, duration_s = asyncio.run(run_chats(stack.base_url, args))
-        after = scrape_workers(stack, "prefill")
+    print(f"routing {mode}: starting {num_workers} prefill + {num_workers} decode workers", file=sys.stderr)
+    with Stack(stack_config(env, num_prefill=num_workers, num_decode=num_workers)) as stack:
+        turns, duration_s, follow_up_bytes = asyncio.run(run_chats(stack, args))
         gateway = scrape_metrics(f"{stack.base_url}/metrics")
-    handoff = metric_sum(after, "llmd_handoff_bytes_total") - metric_sum(before, "llmd_handoff_bytes_total")
-    routed = {stage: routed_by_overlap(gateway, stage) for stage in ("prefill", "decode")}
-    return ModeRun(mode, turns, handoff, routed, duration_s)
+    routed = {"prefill": routed_by(gateway, "prefill", "overlap"), "decode": routed_by(gateway, "decode", "overlap"),
+              "local": routed_by(gateway, "prefill", "local")}
+    return ModeRun(mode, turns, follow_up_bytes, routed, duration_s)
 
 
 def table(runs: list[ModeRun]) -> str:
-    header = ["routing", "follow-ups' prompt tokens cached", "TTFT p50", "TTFT p99", "KV moved per request",
-              "routed by cache (prefill / decode)"]
+    header = ["workers, routing", "follow-ups' prompt tokens cached", "follow-ups' TTFT p50", "TTFT p99",
+              "KV moved per follow-up", "prefilled on decode", "routed by cache (prefill / decode)"]
     rows = [[r.mode, f"{100 * r.hit_rate:.1f}%", f"{r.ttft_ms(50):.0f} ms", f"{r.ttft_ms(99):.0f} ms",
-             f"{r.mib_per_request:.1f} MiB", f"{r.routed['prefill']:.0f} / {r.routed['decode']:.0f} of {len(r.turns)}"]
+             f"{r.mib_per_follow_up:.2f} MiB", f"{r.routed['local']:.0f} of {len(r.follow_ups)}",
+             f"{r.routed['prefill']:.0f} / {r.routed['decode']:.0f} of {len(r.turns)}"]
             for r in runs]
     return format_table(header, rows)
 
@@ -163,8 +180,9 @@ def document(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": vars(args),
         "modes": {r.mode: {
-            "follow_up_hit_rate": r.hit_rate, "ttft_p50_ms": r.ttft_ms(50), "ttft_p99_ms": r.ttft_ms(99),
-            "kv_mib_per_request": r.mib_per_request, "routed_by_overlap": r.routed, "duration_s": r.duration_s,
+            "follow_up_hit_rate": r.hit_rate, "follow_up_ttft_p50_ms": r.ttft_ms(50),
+            "follow_up_ttft_p99_ms": r.ttft_ms(99), "kv_mib_per_follow_up": r.mib_per_follow_up, "routed": r.routed,
+            "duration_s": r.duration_s,
             "turns": [{"conversation": t.conversation, "turn": t.turn, "prompt_tokens": t.result.num_prompt_tokens,
                        "cached_tokens": t.result.num_cached_tokens, "ttft_s": t.result.ttft_s} for t in r.turns],
         } for r in runs},
@@ -173,7 +191,7 @@ def document(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runs = [run_mode(mode, enabled, args) for mode, enabled in MODES]
+    runs = [run_mode(mode, num_workers, enabled, args) for mode, num_workers, enabled in MODES]
     path = write_result(NAME, document(args, runs))
     print(table(runs))
     print(f"\nwrote {path}", file=sys.stderr)
