@@ -2,17 +2,17 @@
 
     python -m bench.routing [--conversations 8 --turns 4 --system-len 1000 --user-len 64 --output-len 16 --seed 0]
 
-Three stacks, one after the other, with the same settings but these: 2 prefill + 2 decode
-workers with routing off (LLMD_ROUTING__ENABLED=false: today's shared stream) and on (with local
-prefill on the decode worker that holds a follow-up's history), and 1 + 1 workers (what a single
-pair caches, the hit rate to match). --conversations chats run side by side, each for --turns
-turns: a turn sends the whole history (a --system-len token system prompt that all conversations
+Four stacks, one after the other, with the same settings but these: 2 prefill + 2 decode
+workers with routing off (LLMD_ROUTING__ENABLED=false: the shared stream), on but with no local
+prefill, and on (a follow-up's short new part prefilled on the decode worker that holds its
+history), and 1 + 1 workers (what a single pair caches, the hit rate to match). --conversations
+chats run side by side, each for --turns turns: a turn sends the whole history (a --system-len token system prompt that all conversations
 share, then every earlier user message and answer) plus a new --user-len token message, and gets
 --output-len tokens (greedy, so every mode sees the same answers). The first turns all run
 first, then the follow-ups, so that each phase's KV handoffs are counted apart. Measured per
 mode, over the follow-up turns: the prefix hit rate (cached prompt tokens over prompt tokens),
-TTFT p50/p99, the KV bytes handed from prefill to decode per follow-up (the prefill workers'
-llmd_handoff_bytes), the requests prefilled on their decode worker, and those routed by overlap.
+TTFT p50/p99, ITL p99 (over every turn: what a prefill on a decode worker costs the others), the
+KV bytes handed from prefill to decode per follow-up (the prefill workers' llmd_handoff_bytes), the requests prefilled on their decode worker, and those routed by overlap.
 Prints a Markdown table and writes bench/results/routing.json.
 """
 
@@ -44,9 +44,13 @@ from bench.stack_harness import (
 )
 from services.launcher import Stack
 from shared.model.loader import resolve_model_path
+from shared.settings import RoutingSettings
 
 NAME = "routing"
-MODES = (("2+2, off", 2, False), ("2+2, on", 2, True), ("1+1, on", 1, True))  # name, workers per role, routing
+LOCAL = RoutingSettings().local_prefill_max_tokens
+# name, workers per role, routing, LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS
+MODES = (("2+2, off", 2, False, 0), ("2+2, on, no local prefill", 2, True, 0), ("2+2, on", 2, True, LOCAL),
+         ("1+1, on", 1, True, LOCAL))
 MIB = 2**20
 KV_BYTES = 256 * 2**20  # per worker: every conversation's history fits, so evictions do not blur the comparison
 
@@ -77,6 +81,11 @@ class ModeRun:
 
     def ttft_ms(self, q: float) -> float:
         return float(np.percentile([r.ttft_s for r in self.follow_ups if r.ttft_s is not None], q)) * 1000
+
+    def itl_ms(self, q: float) -> float:
+        """Over every turn's gaps: a prefill on a decode worker delays the other streams it runs."""
+        gaps = np.concatenate([np.diff(t.result.chunk_times_s) for t in self.turns] + [np.zeros(0)])
+        return float(np.percentile(gaps, q)) * 1000 if len(gaps) else 0.0
 
     @property
     def mib_per_follow_up(self) -> float:
@@ -154,8 +163,9 @@ def routed_by(samples: dict[str, float], stage: str, by: str) -> float:
                if k.startswith("llmd_routed_requests_total{") and f'by="{by}"' in k and f'stage="{stage}"' in k)
 
 
-def run_mode(mode: str, num_workers: int, enabled: bool, args: argparse.Namespace) -> ModeRun:
-    env = {"LLMD_ROUTING__ENABLED": str(enabled).lower(), "LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES)}
+def run_mode(mode: str, num_workers: int, enabled: bool, local_max_tokens: int, args: argparse.Namespace) -> ModeRun:
+    env = {"LLMD_ROUTING__ENABLED": str(enabled).lower(), "LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES),
+           "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": str(local_max_tokens)}
     print(f"routing {mode}: starting {num_workers} prefill + {num_workers} decode workers", file=sys.stderr)
     with Stack(stack_config(env, num_prefill=num_workers, num_decode=num_workers)) as stack:
         turns, duration_s, follow_up_bytes = asyncio.run(run_chats(stack, args))
@@ -166,10 +176,10 @@ def run_mode(mode: str, num_workers: int, enabled: bool, args: argparse.Namespac
 
 
 def table(runs: list[ModeRun]) -> str:
-    header = ["workers, routing", "follow-ups' prompt tokens cached", "follow-ups' TTFT p50", "TTFT p99",
+    header = ["workers, routing", "follow-ups' prompt tokens cached", "follow-ups' TTFT p50", "TTFT p99", "ITL p99",
               "KV moved per follow-up", "prefilled on decode", "routed by cache (prefill / decode)"]
     rows = [[r.mode, f"{100 * r.hit_rate:.1f}%", f"{r.ttft_ms(50):.0f} ms", f"{r.ttft_ms(99):.0f} ms",
-             f"{r.mib_per_follow_up:.2f} MiB", f"{r.routed['local']:.0f} of {len(r.follow_ups)}",
+             f"{r.itl_ms(99):.0f} ms", f"{r.mib_per_follow_up:.2f} MiB", f"{r.routed['local']:.0f} of {len(r.follow_ups)}",
              f"{r.routed['prefill']:.0f} / {r.routed['decode']:.0f} of {len(r.turns)}"]
             for r in runs]
     return format_table(header, rows)
@@ -181,7 +191,7 @@ def document(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
         "config": vars(args),
         "modes": {r.mode: {
             "follow_up_hit_rate": r.hit_rate, "follow_up_ttft_p50_ms": r.ttft_ms(50),
-            "follow_up_ttft_p99_ms": r.ttft_ms(99), "kv_mib_per_follow_up": r.mib_per_follow_up, "routed": r.routed,
+            "follow_up_ttft_p99_ms": r.ttft_ms(99), "itl_p99_ms": r.itl_ms(99), "kv_mib_per_follow_up": r.mib_per_follow_up, "routed": r.routed,
             "duration_s": r.duration_s,
             "turns": [{"conversation": t.conversation, "turn": t.turn, "prompt_tokens": t.result.num_prompt_tokens,
                        "cached_tokens": t.result.num_cached_tokens, "ttft_s": t.result.ttft_s} for t in r.turns],
@@ -191,7 +201,8 @@ def document(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runs = [run_mode(mode, num_workers, enabled, args) for mode, num_workers, enabled in MODES]
+    runs = [run_mode(mode, num_workers, enabled, local_max_tokens, args)
+            for mode, num_workers, enabled, local_max_tokens in MODES]
     path = write_result(NAME, document(args, runs))
     print(table(runs))
     print(f"\nwrote {path}", file=sys.stderr)
