@@ -1,6 +1,7 @@
 """Comparison: cache-aware routing off vs on, on multi-turn chat over 2 prefill + 2 decode workers.
 
     python -m bench.routing [--conversations 8 --turns 4 --system-len 1000 --user-len 64 --output-len 16 --seed 0]
+    python -m bench.routing --load-weights 0,1,4 --user-len 320     # the prefill load weight, swept
 
 Four stacks, one after the other, with the same settings but these: 2 prefill + 2 decode
 workers with routing off (LLMD_ROUTING__ENABLED=false: the shared stream), on but with no local
@@ -47,10 +48,25 @@ from shared.model.loader import resolve_model_path
 from shared.settings import RoutingSettings
 
 NAME = "routing"
-LOCAL = RoutingSettings().local_prefill_max_tokens
-# name, workers per role, routing, LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS
-MODES = (("2+2, off", 2, False, 0), ("2+2, on, no local prefill", 2, True, 0), ("2+2, on", 2, True, LOCAL),
-         ("1+1, on", 1, True, LOCAL))
+NO_LOCAL = {"LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": "0"}
+
+
+@dataclass(slots=True, frozen=True)
+class Mode:
+    name: str
+    num_workers: int  # per role
+    env: dict[str, str]
+
+
+MODES = (
+    Mode("2+2, off", 2, {"LLMD_ROUTING__ENABLED": "false"}), Mode("2+2, on, no local prefill", 2, NO_LOCAL),
+    Mode("2+2, on", 2, {}), Mode("1+1, on", 1, {}),
+)
+
+
+def load_weight_modes(weights: str) -> list[Mode]:
+    """2+2 workers routing with each LLMD_ROUTING__LOAD_WEIGHT of a comma-separated list."""
+    return [Mode(f"2+2, on, load weight {w}", 2, {"LLMD_ROUTING__LOAD_WEIGHT": w}) for w in weights.split(",")]
 MIB = 2**20
 KV_BYTES = 256 * 2**20  # per worker: every conversation's history fits, so evictions do not blur the comparison
 
@@ -100,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--user-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-weights", help="instead of the modes above, 2+2 routing with each of these "
+                   "comma-separated LLMD_ROUTING__LOAD_WEIGHT values (try with --user-len beyond "
+                   f"{RoutingSettings().local_prefill_max_tokens}, so that prefill workers get the follow-ups)")
     return p.parse_args(argv)
 
 
@@ -163,16 +182,16 @@ def routed_by(samples: dict[str, float], stage: str, by: str) -> float:
                if k.startswith("llmd_routed_requests_total{") and f'by="{by}"' in k and f'stage="{stage}"' in k)
 
 
-def run_mode(mode: str, num_workers: int, enabled: bool, local_max_tokens: int, args: argparse.Namespace) -> ModeRun:
-    env = {"LLMD_ROUTING__ENABLED": str(enabled).lower(), "LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES),
-           "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": str(local_max_tokens)}
-    print(f"routing {mode}: starting {num_workers} prefill + {num_workers} decode workers", file=sys.stderr)
-    with Stack(stack_config(env, num_prefill=num_workers, num_decode=num_workers)) as stack:
+def run_mode(mode: Mode, args: argparse.Namespace) -> ModeRun:
+    env = {"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), **mode.env}
+    n = mode.num_workers
+    print(f"routing {mode.name}: starting {n} prefill + {n} decode workers", file=sys.stderr)
+    with Stack(stack_config(env, num_prefill=n, num_decode=n)) as stack:
         turns, duration_s, follow_up_bytes = asyncio.run(run_chats(stack, args))
         gateway = scrape_metrics(f"{stack.base_url}/metrics")
     routed = {"prefill": routed_by(gateway, "prefill", "overlap"), "decode": routed_by(gateway, "decode", "overlap"),
               "local": routed_by(gateway, "prefill", "local")}
-    return ModeRun(mode, turns, follow_up_bytes, routed, duration_s)
+    return ModeRun(mode.name, turns, follow_up_bytes, routed, duration_s)
 
 
 def table(runs: list[ModeRun]) -> str:
@@ -201,9 +220,9 @@ def document(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runs = [run_mode(mode, num_workers, enabled, local_max_tokens, args)
-            for mode, num_workers, enabled, local_max_tokens in MODES]
-    path = write_result(NAME, document(args, runs))
+    modes = load_weight_modes(args.load_weights) if args.load_weights else MODES
+    runs = [run_mode(mode, args) for mode in modes]
+    path = write_result(f"{NAME}_load_weights" if args.load_weights else NAME, document(args, runs))
     print(table(runs))
     print(f"\nwrote {path}", file=sys.stderr)
     return 0
