@@ -14,6 +14,9 @@ Over the data port (services/kv_transfer/tcp.py), with half of a transfer's byte
 prefill-dies-mid-transfer and decode-dies-mid-transfer SIGKILL themselves;
 prefill-stalls-mid-transfer sends nothing more until the decode worker gives up and closes the
 connection, once (its later transfers are normal).
+
+Through NIXL (services/kv_transfer/nixl.py), a few polls into a decode worker's read:
+prefill-dies-mid-read and decode-dies-mid-read SIGKILL themselves.
 """
 
 from __future__ import annotations
@@ -108,10 +111,43 @@ class DecodeDiesMidTransfer(PreferredDecode):
         die()
 
 
+def die_after_polls(agent: object, method: str, num_polls: int) -> None:
+    """SIGKILL the process on the `num_polls`-th call of `agent.method`, NIXL's progress: by then
+    a read is in flight, some of its bytes moved."""
+    call, polls = getattr(agent, method), [0]
+
+    def poll_then_die(*args: object) -> object:
+        polls[0] += 1
+        if polls[0] >= num_polls:
+            die()
+        return call(*args)
+
+    setattr(agent, method, poll_then_die)
+
+
+class PrefillDiesMidRead(PrefillWorker):
+    """NIXL: dies while serving a decode worker's read of its blocks."""
+
+    async def _transfer(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
+        assert self.kv.nixl is not None, "prefill-dies-mid-read needs NIXL (kv_transport auto or nixl)"
+        die_after_polls(self.kv.nixl.agent, "get_new_notifs", 20)
+        await super()._transfer(t, decode_id, needed)
+
+
+class DecodeDiesMidRead(PreferredDecode):
+    """NIXL: dies while reading a prefill worker's blocks into its reserved ones."""
+
+    async def _on_kv_ready(self, msg: KVReady) -> None:
+        assert self.kv.nixl is not None, "decode-dies-mid-read needs NIXL (kv_transport auto or nixl)"
+        die_after_polls(self.kv.nixl.agent, "check_xfer_state", 20)
+        await super()._on_kv_ready(msg)
+
+
 FAULTS: dict[str, type[Worker]] = {
     "prefill-dies-after-accept": PrefillDiesAfterAccept, "decode-dies-on-kv-ready": DecodeDiesOnKVReady,
     "prefill-dies-mid-transfer": PrefillDiesMidTransfer, "decode-dies-mid-transfer": DecodeDiesMidTransfer,
-    "prefill-stalls-mid-transfer": PrefillStallsMidTransfer,
+    "prefill-stalls-mid-transfer": PrefillStallsMidTransfer, "prefill-dies-mid-read": PrefillDiesMidRead,
+    "decode-dies-mid-read": DecodeDiesMidRead,
 }
 
 if __name__ == "__main__":
