@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -97,8 +98,9 @@ class PoolLayout:
         """[address, length, device] of every segment of these blocks, block by block: NIXL's Nx3
         transfer descriptors. Raises KVTransferError for a block outside the pool."""
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
-            raise KVTransferError(f"KV blocks {sorted(set(blocks.tolist()))} outside a pool of {self.num_blocks}")
+        outside = blocks[(blocks < 0) | (blocks >= self.num_blocks)]
+        if outside.size:
+            raise KVTransferError(f"KV blocks {sorted(set(outside.tolist()))} outside a pool of {self.num_blocks}")
         segments = np.arange(self.num_segments, dtype=np.uint64) * np.uint64(self.segment_stride)
         starts = np.uint64(self.base) + blocks.astype(np.uint64)[:, None] * np.uint64(self.block_stride) + segments
         out = np.zeros((starts.size, 3), dtype=np.uint64)
@@ -218,9 +220,10 @@ class NixlTransport:
     thread (the agent is not thread-safe without locks of its own), which sleeps while nothing
     is in flight."""
 
-    def __init__(self, name: str, timeout_s: float) -> None:
+    def __init__(self, name: str, timeout_s: float, devices: str = "") -> None:
         self.name = name
         self.timeout_s = timeout_s
+        self.devices = devices  # the network devices UCX listens and connects on ("lo"); empty: every one
         self.agent: Any = None
         self.layout: PoolLayout | None = None
         self.advertisement = b""  # WorkerStatus.kv_nixl; empty until the pool is registered
@@ -235,6 +238,8 @@ class NixlTransport:
         api = nixl_api()
         if api is None:
             raise RuntimeError("NIXL is not installed (pip install nixl-cu12)")
+        if self.devices:  # read by UCX as it starts (the backend's own `ucx_devices` leaves it listening on all)
+            os.environ.setdefault("UCX_NET_DEVICES", self.devices)
         self.agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=[BACKEND]))
         if BACKEND not in self.agent.backends:
             raise RuntimeError(f"NIXL has no {BACKEND} backend here (its plugins: {self.agent.get_plugin_list()})")

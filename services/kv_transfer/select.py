@@ -15,6 +15,7 @@ go by the location a KVReady names, so a reader takes whatever the writer chose.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections.abc import Callable
@@ -91,7 +92,8 @@ class KVTransports:
             self.nixl = None
             return
         self.nixl.register(pool, block_views)
-        logger.info("KV handoffs through NIXL (%s): %.0f MiB of pool registered", self.nixl.agent.backends, len(pool) / 2**20)
+        logger.info("KV handoffs through NIXL (UCX on %s): %.0f MiB of pool registered",
+                    self.nixl.devices or "every network device", len(pool) / 2**20)
 
     async def close(self) -> None:
         if self.nixl is not None:
@@ -244,7 +246,10 @@ def nixl_transport(settings: WorkerSettings, worker_id: str) -> NixlTransport | 
             raise ValueError("LLMD_WORKER__KV_TRANSPORT is nixl, but NIXL is not installed (pip install nixl-cu12, "
                              "or pip install -e '.[nixl]')")
         return None
-    return NixlTransport(worker_id, settings.handoff_timeout_s)
+    # like the data port: on loopback unless the deployment opens its KV address to the network
+    # (UCX would otherwise listen on every interface)
+    loopback = ipaddress.ip_address(advertised_host(settings)).is_loopback
+    return NixlTransport(worker_id, settings.handoff_timeout_s, devices="lo" if loopback else "")
 
 
 def kv_transports(redis: aioredis.Redis, keys: Keys, namespace: str, settings: WorkerSettings,

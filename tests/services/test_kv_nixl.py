@@ -1,0 +1,108 @@
+"""The NIXL transport on its own: two agents in one process over UCX on loopback TCP, each with a
+pool laid out as the engine's (segment s of block b at (s * num_blocks + b) * segment)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+
+from services.kv_transfer import KVTransferError
+from services.kv_transfer.nixl import NixlTransport, PoolLayout, address, location_of, nixl_api
+
+pytestmark = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install -e '.[nixl]')")
+
+NUM_BLOCKS, NUM_SEGMENTS, SEGMENT = 6, 4, 4096
+
+
+def pool(seed: int) -> tuple[np.ndarray, Callable[[list[int]], list[memoryview]]]:
+    data = np.random.default_rng(seed).integers(0, 256, NUM_SEGMENTS * NUM_BLOCKS * SEGMENT, dtype=np.uint8)
+    view = memoryview(data)
+
+    def block_views(block_ids: list[int]) -> list[memoryview]:
+        starts = [(s * NUM_BLOCKS + b) * SEGMENT for b in block_ids for s in range(NUM_SEGMENTS)]
+        return [view[start : start + SEGMENT] for start in starts]
+
+    return data, block_views
+
+
+def test_the_layout_finds_every_segment_of_every_block_and_nothing_outside() -> None:
+    data, block_views = pool(0)
+    layout = PoolLayout.of(memoryview(data), block_views)
+
+    assert (layout.num_blocks, layout.num_segments, layout.segment) == (NUM_BLOCKS, NUM_SEGMENTS, SEGMENT)
+    descriptors = layout.descriptors([5, 0, 2])
+    assert descriptors[:, 0].tolist() == [address(v) for v in block_views([5, 0, 2])]
+    assert set(descriptors[:, 1].tolist()) == {SEGMENT}
+    with pytest.raises(KVTransferError, match=r"KV blocks \[6\] outside a pool of 6"):
+        layout.descriptors([1, 6])
+
+
+@pytest.fixture
+async def agents(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[NixlTransport, NixlTransport, list[np.ndarray]]]:
+    monkeypatch.setenv("UCX_TLS", "tcp")  # on one host UCX would otherwise pick shared memory
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    pools, transports = [], []
+    for i, name in enumerate(("prefill-a", "decode-a")):
+        data, block_views = pool(i)
+        transport = NixlTransport(name, timeout_s=10.0)
+        transport.register(memoryview(data), block_views)
+        pools.append(data)
+        transports.append(transport)
+    yield transports[0], transports[1], pools
+    for transport in transports:
+        await transport.close()
+
+
+def blocks(data: np.ndarray, block_ids: list[int]) -> np.ndarray:
+    return data.reshape(NUM_SEGMENTS, NUM_BLOCKS, SEGMENT)[:, block_ids]
+
+
+async def test_a_read_moves_exactly_the_named_blocks_and_tells_the_sender(
+    agents: tuple[NixlTransport, NixlTransport, list[np.ndarray]],
+) -> None:
+    prefill, decode, (source, dest) = agents
+    untouched = dest.copy()
+
+    await asyncio.gather(
+        decode.read(location_of("prefill-a", [4, 1]), "prefill-a", prefill.advertisement, [0, 5], "r", 0),
+        prefill.until_read("decode-a", "r", 0),
+    )
+
+    assert np.array_equal(blocks(dest, [0, 5]), blocks(source, [4, 1]))
+    assert np.array_equal(blocks(dest, [1, 2, 3, 4]), blocks(untouched, [1, 2, 3, 4]))
+
+
+async def test_a_read_that_does_not_match_the_reservation_moves_nothing(
+    agents: tuple[NixlTransport, NixlTransport, list[np.ndarray]],
+) -> None:
+    prefill, decode, (_, dest) = agents
+    untouched = dest.copy()
+    cases = {
+        "2 KV blocks offered for 'r'; its reservation holds 1": (location_of("prefill-a", [1, 2]), [0]),
+        r"KV blocks \[9\] outside a pool of 6": (location_of("prefill-a", [9]), [0]),
+        "the KV of 'r' is prefill-a's to send; its location names 'intruder'": (location_of("intruder", [1]), [0]),
+    }
+    for error, (location, into) in cases.items():
+        with pytest.raises(KVTransferError, match=error):
+            await decode.read(location, "prefill-a", prefill.advertisement, into, "r", 0)
+    assert np.array_equal(dest, untouched)
+
+
+async def test_a_read_whose_sender_never_serves_it_ends_when_stopped(
+    agents: tuple[NixlTransport, NixlTransport, list[np.ndarray]],
+) -> None:
+    prefill, decode, _ = agents  # the prefill side never progresses: over TCP, the read cannot finish
+    read = asyncio.ensure_future(
+        decode.read(location_of("prefill-a", list(range(NUM_BLOCKS))), "prefill-a", prefill.advertisement,
+                    list(range(NUM_BLOCKS)), "r", 0)
+    )
+    while ("r", 0) not in decode._reads:
+        await asyncio.sleep(0.01)
+
+    await decode.stop("r", 0)
+
+    with pytest.raises(KVTransferError, match="stopped"):
+        await read
