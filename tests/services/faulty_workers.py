@@ -15,7 +15,7 @@ prefill-dies-mid-transfer and decode-dies-mid-transfer SIGKILL themselves;
 prefill-stalls-mid-transfer sends nothing more until the decode worker gives up and closes the
 connection, once (its later transfers are normal).
 
-Through NIXL (services/kv_transfer/nixl.py), a few polls into a decode worker's read:
+Through NIXL (services/kv_transfer/nixl.py), with a decode worker's read in flight:
 prefill-dies-mid-read and decode-dies-mid-read SIGKILL themselves.
 """
 
@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import NoReturn
 
 from services.decode.worker import DecodeWorker
@@ -111,35 +112,34 @@ class DecodeDiesMidTransfer(PreferredDecode):
         die()
 
 
-def die_after_polls(agent: object, method: str, num_polls: int) -> None:
-    """SIGKILL the process on the `num_polls`-th call of `agent.method`, NIXL's progress: by then
-    a read is in flight, some of its bytes moved."""
-    call, polls = getattr(agent, method), [0]
+def die_at_first(agent: object, method: str, before_s: float = 0.0) -> None:
+    """SIGKILL the process at its first call of `agent.method` (NIXL's progress), `before_s`
+    after it, the call itself made: by then a decode worker's read is in flight."""
+    call = getattr(agent, method)
 
-    def poll_then_die(*args: object) -> object:
-        polls[0] += 1
-        if polls[0] >= num_polls:
-            die()
-        return call(*args)
+    def call_then_die(*args: object) -> NoReturn:
+        time.sleep(before_s)
+        call(*args)
+        die()
 
-    setattr(agent, method, poll_then_die)
+    setattr(agent, method, call_then_die)
 
 
 class PrefillDiesMidRead(PrefillWorker):
-    """NIXL: dies while serving a decode worker's read of its blocks."""
+    """NIXL: dies while the decode worker reads its blocks (it has had the KVReady for 0.2 s)."""
 
     async def _transfer(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
         assert self.kv.nixl is not None, "prefill-dies-mid-read needs NIXL (kv_transport auto or nixl)"
-        die_after_polls(self.kv.nixl.agent, "get_new_notifs", 20)
+        die_at_first(self.kv.nixl.agent, "get_new_notifs", before_s=0.2)
         await super()._transfer(t, decode_id, needed)
 
 
 class DecodeDiesMidRead(PreferredDecode):
-    """NIXL: dies while reading a prefill worker's blocks into its reserved ones."""
+    """NIXL: dies right after starting to read a prefill worker's blocks into its reserved ones."""
 
     async def _on_kv_ready(self, msg: KVReady) -> None:
         assert self.kv.nixl is not None, "decode-dies-mid-read needs NIXL (kv_transport auto or nixl)"
-        die_after_polls(self.kv.nixl.agent, "check_xfer_state", 20)
+        die_at_first(self.kv.nixl.agent, "check_xfer_state")
         await super()._on_kv_ready(msg)
 
 
