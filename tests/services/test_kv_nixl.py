@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from services.kv_transfer import KVTransferError
+from services.kv_transfer import KVPeer, KVTransferError
 from services.kv_transfer.nixl import NixlTransport, PoolLayout, address, location_of, nixl_api
+from shared.streams import Bus
+from tests.services.test_kv_connector import bus  # noqa: F401  (the fixture)
+from tests.services.test_kv_shm import transports
 
 pytestmark = pytest.mark.skipif(nixl_api() is None, reason="NIXL is not installed (pip install -e '.[nixl]')")
 
@@ -41,19 +45,41 @@ def test_the_layout_finds_every_segment_of_every_block_and_nothing_outside() -> 
 
 
 @pytest.fixture
-async def agents(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[NixlTransport, NixlTransport, list[np.ndarray]]]:
+def on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp")  # on one host UCX would otherwise pick shared memory
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    pools, transports = [], []
+
+
+async def test_nixl_comes_after_a_shared_tmpfs_and_before_the_data_port(
+    bus: Bus, tmp_path: Path, on_loopback: None,  # noqa: F811
+) -> None:
+    decode, prefill = transports(bus, tmp_path, "decode"), transports(bus, tmp_path, "prefill")
+    pools = [pool(0), pool(1)]
+    for kv, (data, block_views) in zip((decode, prefill), pools):
+        kv.use_pool(memoryview(data), block_views)
+    await decode.start()
+    data_port = {"tcp_host": "127.0.0.1", "tcp_port": 9200, "tcp_token": "t"}
+
+    assert decode.names == ["shm", "nixl", "tcp", "redis"]
+    assert prefill.choose(KVPeer("decode", shm_token=decode.shm_token, nixl=True, **data_port)) == "shm"
+    assert prefill.choose(KVPeer("decode", nixl=True, **data_port)) == "nixl"
+    assert prefill.choose(KVPeer("decode", **data_port)) == "tcp"
+    for kv in (decode, prefill):
+        await kv.close()
+
+
+@pytest.fixture
+async def agents(on_loopback: None) -> AsyncIterator[tuple[NixlTransport, NixlTransport, list[np.ndarray]]]:
+    pools, agents = [], []
     for i, name in enumerate(("prefill-a", "decode-a")):
         data, block_views = pool(i)
-        transport = NixlTransport(name, timeout_s=10.0)
-        transport.register(memoryview(data), block_views)
+        agent = NixlTransport(name, timeout_s=10.0)
+        agent.register(memoryview(data), block_views)
         pools.append(data)
-        transports.append(transport)
-    yield transports[0], transports[1], pools
-    for transport in transports:
-        await transport.close()
+        agents.append(agent)
+    yield agents[0], agents[1], pools
+    for agent in agents:
+        await agent.close()
 
 
 def blocks(data: np.ndarray, block_ids: list[int]) -> np.ndarray:
