@@ -81,19 +81,18 @@ class PoolLayout:
 
     @classmethod
     def of(cls, pool: memoryview, block_views: Callable[[list[int]], list[memoryview] | None]) -> PoolLayout:
+        """The layout of `pool` (`Engine.kv_pool_view`), read off the views of its first two blocks
+        and checked against its last one."""
         first, second = block_views([0]), block_views([1])
         assert first is not None and second is not None, "a pool in host memory has views"
-        base, segment = address(pool), len(first[0])
-        layout = cls(
-            base=address(first[0]), num_blocks=0, num_segments=len(first), segment=segment,
-            block_stride=address(second[0]) - address(first[0]),
-            segment_stride=address(first[1]) - address(first[0]) if len(first) > 1 else segment,
-        )  # fmt: skip
-        span = (layout.num_segments - 1) * layout.segment_stride + segment
-        num_blocks = (base + len(pool) - layout.base - span) // layout.block_stride + 1
-        layout = cls(layout.base, num_blocks, layout.num_segments, segment, layout.block_stride, layout.segment_stride)
+        base, segment, num_segments = address(first[0]), len(first[0]), len(first)
+        block_stride = address(second[0]) - base
+        segment_stride = address(first[1]) - base if num_segments > 1 else segment
+        span = (num_segments - 1) * segment_stride + segment  # of one block, from its first byte
+        num_blocks = (address(pool) + len(pool) - base - span) // block_stride + 1
+        layout = cls(base, num_blocks, num_segments, segment, block_stride, segment_stride)
         last = block_views([num_blocks - 1])
-        assert last is not None and [address(v) for v in last] == list(layout.descriptors([num_blocks - 1])[:, 0]), (
+        assert last is not None and [address(v) for v in last] == layout.descriptors([num_blocks - 1])[:, 0].tolist(), (
             "the pool's blocks are not laid out at a fixed stride"
         )
         return layout
@@ -198,11 +197,13 @@ class _Read(_Operation):
         return state == "DONE"
 
     def end(self, transport: NixlTransport, error: BaseException | None) -> None:
-        if self.handle is not None:
-            # releasing a read in flight cancels it: nothing lands in the blocks from here on
-            transport.agent.release_xfer_handle(self.handle)
-        if error is not None:
-            transport.drop_peer(self.peer)  # and its connection: the next transfer starts afresh
+        try:
+            if self.handle is not None:
+                # releasing a read in flight cancels it: nothing lands in the blocks from here on
+                transport.agent.release_xfer_handle(self.handle)
+        finally:
+            if error is not None:
+                transport.drop_peer(self.peer)  # and its connection: the next transfer starts afresh
 
 
 class _ReadEnd(_Operation):

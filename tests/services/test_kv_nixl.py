@@ -114,7 +114,20 @@ async def test_a_read_that_does_not_match_the_reservation_moves_nothing(
     for error, (location, into) in cases.items():
         with pytest.raises(KVTransferError, match=error):
             await decode.read(location, "prefill-a", prefill.advertisement, into, "r", 0)
+    with pytest.raises(KVTransferError, match="could not load prefill-a's NIXL metadata"):
+        await decode.read(location_of("prefill-a", [1]), "prefill-a", b"not metadata", [0], "r", 0)
     assert np.array_equal(dest, untouched)
+
+
+async def test_a_read_that_stalls_ends_at_its_deadline(
+    agents: tuple[NixlTransport, NixlTransport, list[np.ndarray]],
+) -> None:
+    prefill, decode, _ = agents  # the prefill side never progresses: over TCP, the read cannot finish
+    decode.timeout_s = 0.5
+    everything = list(range(NUM_BLOCKS))
+
+    with pytest.raises(KVTransferError, match="ran past its deadline of 0.5s"):
+        await decode.read(location_of("prefill-a", everything), "prefill-a", prefill.advertisement, everything, "r", 0)
 
 
 async def test_a_read_whose_sender_never_serves_it_ends_when_stopped(
