@@ -91,7 +91,14 @@ class KVTransports:
             logger.info("no KV handoffs through NIXL: the KV pool is not in host memory")
             self.nixl = None
             return
-        self.nixl.register(pool, block_views)
+        try:
+            self.nixl.register(pool, block_views)
+        except Exception as e:  # NIXL's and UCX's own errors: no backend, memory that cannot be registered
+            if self.settings.kv_transport == "nixl":
+                raise
+            logger.warning("no KV handoffs through NIXL: setting it up failed (%s)", e)
+            self.nixl = None
+            return
         logger.info("KV handoffs through NIXL (UCX on %s): %.0f MiB of pool registered",
                     self.nixl.devices or "every network device", len(pool) / 2**20)
 
