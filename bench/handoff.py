@@ -1,7 +1,7 @@
 """The prefill -> decode KV handoff by prompt length, through one transport.
 
     python -m bench.handoff [--lengths 128,512,2048,7168 --requests-per-length 4 --output-len 4 --seed 0]
-                            [--transport shm|tcp|redis]
+                            [--transport shm|nixl|tcp|redis]
 
 One stack (1 prefill + 1 decode worker, prefix caching off, every prompt fresh random tokens, so
 each request moves its whole KV). For each length, one untimed warm-up, then the requests one at
@@ -10,8 +10,10 @@ a time; the prefill worker's /metrics before and after give per length:
 - KV bytes per request (llmd_handoff_bytes) and per prompt token;
 - handoff seconds (llmd_handoff_seconds): from the end of the request's prefill to KVReady sent,
   i.e. offer, the decode worker's accept, and moving the blocks: into the workers' shared
-  /dev/shm (shm), over the decode worker's data port straight into its reserved blocks (tcp), or
-  into Redis (redis) (services/prefill/worker.py::_observe_handoff); MiB/s = bytes / those seconds;
+  /dev/shm (shm), read by the decode worker through NIXL straight into its reserved blocks
+  (nixl: until it says it has them), over the decode worker's data port straight into its
+  reserved blocks (tcp), or into Redis (redis) (services/prefill/worker.py::_observe_handoff);
+  MiB/s = bytes / those seconds;
   every byte must go by the chosen transport (llmd_handoff_bytes{transport}), or the run fails;
 - TTFT on the prefill worker (vllm:time_to_first_token_seconds: requests stream -> first token).
 
@@ -25,6 +27,7 @@ Prints a Markdown table, writes bench/results/handoff.json and bench/results/han
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -52,7 +55,9 @@ from bench.stack_harness import (
 from services.launcher import Stack
 
 NAME = "handoff"
-TRANSPORTS = ("shm", "tcp", "redis")
+TRANSPORTS = ("shm", "nixl", "tcp", "redis")
+# NIXL between two hosts, simulated: on one host UCX would otherwise move the bytes through shared memory
+UCX_ON_LOOPBACK = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 MIB = 2**20
 COUNTERS = (
     "llmd_handoff_bytes_total",
@@ -117,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=NAME, help="results go to bench/results/NAME.json and NAME.png")
     parser.add_argument("--transport", default="shm", choices=TRANSPORTS,
-                        help="shm: the workers' shared /dev/shm (the default on one host); tcp: the decode worker's "
-                        "data port (the default across hosts); redis: Redis only")
+                        help="shm: the workers' shared /dev/shm (the default on one host); nixl: NIXL's UCX backend "
+                        "(over TCP on loopback unless UCX_TLS is set); tcp: the decode worker's data port (the default "
+                        "across hosts without NIXL); redis: Redis only")
     return parser
 
 
@@ -194,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting a stack (1 prefill + 1 decode, prefix caching off, KV through {args.transport})",
           file=sys.stderr, flush=True)
     env = {"LLMD_KV_CACHE__ENABLE_PREFIX_CACHING": "false", "LLMD_WORKER__KV_TRANSPORT": args.transport}
+    if args.transport == "nixl" and "UCX_TLS" not in os.environ:
+        env |= UCX_ON_LOOPBACK
     with Stack(stack_config(env)) as stack:
         # a seed per length: prompts of different lengths share no tokens
         runs = [run_length(stack, n, args, args.seed + i) for i, n in enumerate(lengths)]

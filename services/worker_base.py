@@ -188,6 +188,7 @@ class Worker:
         self._tasks = [self._spawn_forever(self._kv_marker_loop())]
         logger.info("%s worker %s: loading %s", self.role, self.worker_id, self.settings.model.path)
         engine = await self.engine.load(self.settings)
+        self.kv.use_pool(engine.kv_pool_view(), engine.kv_block_views)
         stats = self.engine.stats
         assert stats is not None
         threads = self.engine.torch_threads
@@ -398,6 +399,7 @@ class Worker:
             kv_shm=self.kv.shm_token,
             kv_host=self.kv.host,
             kv_port=self.kv.port,
+            kv_nixl=self.kv.nixl_advertisement,
         )
 
     def beat_now(self) -> None:

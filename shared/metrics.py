@@ -14,7 +14,7 @@ from shared.engine.engine import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("model_name", "worker_id")
-KV_TRANSPORTS = ("shm", "tcp", "redis")  # the `transport` label of llmd_handoff_bytes (services/kv_transfer)
+KV_TRANSPORTS = ("shm", "nixl", "tcp", "redis")  # the `transport` label of llmd_handoff_bytes (services/kv_transfer)
 
 
 class WorkerMetrics:

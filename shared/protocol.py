@@ -228,6 +228,7 @@ class WorkerStatus(Message):
     kv_shm: str = ""  # its shared-memory marker; empty: no shared tmpfs
     kv_host: str = ""  # its address for KV: where its data port listens, where its KV connections come from
     kv_port: int | None = None  # a decode worker's KV data port; None: it receives no KV over TCP
+    kv_nixl: bytes = b""  # its NIXL agent metadata and pool layout (services/kv_transfer/nixl.py); empty: none
     num_queued_tokens: int = 0  # prompt tokens admitted and not yet prefilled (prefill workers)
 
 

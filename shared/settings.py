@@ -144,9 +144,10 @@ class WorkerSettings(BaseModel):
     kv_shm_dir: str = Field(
         "/dev/shm", description="tmpfs through which KV handoffs go between workers that share it (one host, or "
         "containers given one /dev/shm); empty = no shared tmpfs: KV goes over the data port")
-    kv_transport: Literal["auto", "shm", "tcp", "redis"] = Field(
-        "auto", description="auto: shared tmpfs where the two workers share one, else the data port, Redis only "
-        "when neither works; shm or tcp: that one or Redis; redis: always Redis")
+    kv_transport: Literal["auto", "shm", "nixl", "tcp", "redis"] = Field(
+        "auto", description="auto: shared tmpfs where the two workers share one, else NIXL where both have it "
+        "(pip install nixl-cu12), else the data port, Redis only when none works; shm, nixl or tcp: that one or "
+        "Redis; redis: always Redis")
     kv_tcp_host: str = Field(
         "127.0.0.1", description="listen address of a decode worker's KV data port (0.0.0.0 in containers)")
     kv_tcp_port: int = Field(0, ge=0, le=65535, description="the KV data port; 0 picks a free one")

@@ -29,6 +29,7 @@ import torch
 from services.decode.local_prefill import LocalPrefill
 from services.decode.reservation import Reservation
 from services.kv_transfer import KVTransferError, TransferHeader
+from services.kv_transfer.base import num_bytes
 from services.token_stream import Active, TokenStream
 from services.worker_base import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
@@ -240,10 +241,11 @@ class DecodeWorker(Worker):
         await self.kv.stop_receiving(req_id, attempt)
         await self.engine.call(self.engine.engine.abort_request, req_id)
 
-    async def _fail_unless_reclaimed(self, offer: HandoffOffer, error: str) -> None:
+    async def _fail_unless_reclaimed(self, offer: HandoffOffer, error: str, after_s: float = 0.0) -> None:
         """Tell the gateway, so the request ends instead of waiting for its deadline; unless the
-        prefill worker died: its request stays pending, another prefill worker re-runs it, and an
-        error now would end a request that is about to be served."""
+        prefill worker died (judged `after_s` from now): its request stays pending, another prefill
+        worker re-runs it, and an error now would end a request that is about to be served."""
+        await asyncio.sleep(after_s)
         alive = await self.bus.redis.exists(self.keys.alive(offer.prefill_id))
         registered = await self.bus.redis.hexists(self.keys.workers("prefill"), offer.prefill_id)
         if alive or not registered:
@@ -258,8 +260,11 @@ class DecodeWorker(Worker):
         try:
             data = await self._fetch(held, msg)
         except KVTransferError as e:
-            await self.abort(msg.req_id, str(e))
-            await self._fail(held.offer, f"KV transfer failed: {e}")
+            if self._reserved.get(msg.req_id) is held:  # else a cancel or its expiry ended the read, and answers
+                await self.abort(msg.req_id, str(e))
+                # a prefill worker that died mid-read still looks alive until its heartbeat lapses
+                ttl_s = self.settings.worker.heartbeat_ttl_s if self.kv.transport_of(msg.location) == "nixl" else 0
+                await self._fail_unless_reclaimed(held.offer, f"KV transfer failed: {e}", after_s=ttl_s)
             return
         if self._reserved.get(msg.req_id) is not held:  # cancelled or expired during the fetch
             await self._discard(msg.location)
@@ -300,11 +305,29 @@ class DecodeWorker(Worker):
         blocks were sent, or they landed in the blocks over the data port)."""
         if not msg.block_positions:
             return None
-        if self.kv.transport_of(msg.location) != "tcp":
+        transport = self.kv.transport_of(msg.location)
+        if transport == "nixl":
+            await self._read_nixl(held, msg)
+            return None
+        if transport != "tcp":
             return await self.kv.get(msg.location)
         if not held.landed:
             raise KVTransferError(f"KVReady of {msg.req_id} came before all of its bytes did")
         return held.staging
+
+    async def _read_nixl(self, held: Reservation, msg: KVReady) -> None:
+        """Read the prefill worker's blocks into the reserved ones through NIXL, with the agent
+        metadata of that worker's live heartbeat."""
+        engine, prefill_id = self.engine.engine, held.offer.prefill_id
+        expected = num_bytes(engine.kv_blocks_shape(len(held.block_ids)), engine.kv_dtype)
+        if msg.num_bytes != expected:
+            raise KVTransferError(f"{msg.num_bytes} bytes announced for {msg.req_id!r}; its reservation holds "
+                                  f"{len(held.block_ids)} blocks of {expected} bytes")
+        status = next((s for s in await self.bus.live_workers("prefill") if s.worker_id == prefill_id), None)
+        if status is None or not status.kv_nixl:
+            raise KVTransferError(f"{prefill_id}, which holds the KV of {msg.req_id!r}, has no live heartbeat with "
+                                  f"NIXL metadata")
+        await self.kv.read_into(msg.location, prefill_id, status.kv_nixl, held.block_ids, msg.req_id, msg.attempt)
 
     # -- the data port -----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import torch
@@ -45,12 +45,14 @@ class KVSource:
     """One transfer's blocks on the sending side. `read(out)` copies them into `out` (a tensor of
     `shape` and `dtype`) or, given None, returns a tensor of its own; `views()` gives the pool's
     own bytes in the same order, as writable memoryviews, or None where the pool is not in host
-    memory. Both may run on a helper thread (see `Engine.read_blocks`)."""
+    memory. Both may run on a helper thread (see `Engine.read_blocks`). `block_ids`: the pool
+    blocks themselves, for a peer that reads them (NIXL)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     read: Callable[[torch.Tensor | None], torch.Tensor]
     views: Callable[[], list[memoryview] | None]
+    block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_bytes(self) -> int:

@@ -1,26 +1,31 @@
 """Which transport each transfer takes, chosen per pair of workers from what both speak:
 
     1. shm    the decode worker's marker is in this worker's tmpfs directory (one host)
-    2. tcp    the decode worker listens on a data port (its heartbeat's kv_host:kv_port) and its
+    2. nixl   both workers have NIXL (an optional dependency) and a pool in host memory, and the
+              decode worker's heartbeat carries its agent metadata (kv_nixl)
+    3. tcp    the decode worker listens on a data port (its heartbeat's kv_host:kv_port) and its
               accept carried a transfer token
-    3. redis  nothing else: works anywhere, slowly, and stalls every token stream while it
+    4. redis  nothing else: works anywhere, slowly, and stalls every token stream while it
               carries the bytes, so it is logged
 
-LLMD_WORKER__KV_TRANSPORT forces one (shm or tcp, else Redis; or redis). Reads and discards go
-by the location a KVReady names, so a reader takes whatever the writer chose.
+LLMD_WORKER__KV_TRANSPORT forces one (shm, nixl or tcp, else Redis; or redis). Reads and discards
+go by the location a KVReady names, so a reader takes whatever the writer chose.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import torch
 
 from services.kv_transfer.base import KVConnector, KVSource, KVTransferError, tensor_bytes
+from services.kv_transfer.nixl import NIXL_SCHEME, NixlTransport, location_of, nixl_api
 from services.kv_transfer.redis import RedisKVConnector
 from services.kv_transfer.shm import SHM_SCHEME, SharedMemoryKVConnector
 from services.kv_transfer.tcp import TCP_SCHEME, Claim, IsPeer, Settle, TcpReceiver, TcpSender, TransferHeader
@@ -40,6 +45,7 @@ class KVPeer:
     tcp_host: str = ""
     tcp_port: int | None = None
     tcp_token: str = ""
+    nixl: bool = False  # its heartbeat carries NIXL agent metadata
 
 
 class KVTransports:
@@ -57,6 +63,7 @@ class KVTransports:
         self.speaks_tcp = settings.kv_transport in ("auto", "tcp")
         self.sender = TcpSender()
         self.receiver: TcpReceiver | None = None
+        self.nixl = nixl_transport(settings, worker_id)
         self.host = advertised_host(settings) if self.speaks_tcp else ""
         self.port: int | None = None  # the data port where this worker receives KV, once open
         self._warned: set[str] = set()
@@ -75,7 +82,29 @@ class KVTransports:
             self.port = await self.receiver.start()
             logger.info("KV data port %s:%d (advertised as %s)", self.settings.kv_tcp_host, self.port, self.host)
 
+    def use_pool(self, pool: memoryview | None, block_views: Callable[[list[int]], list[memoryview] | None]) -> None:
+        """Register the engine's KV pool with NIXL (`Engine.kv_pool_view`, `Engine.kv_block_views`);
+        a pool not in host memory goes by the other transports."""
+        if self.nixl is None:
+            return
+        if pool is None:
+            logger.info("no KV handoffs through NIXL: the KV pool is not in host memory")
+            self.nixl = None
+            return
+        try:
+            self.nixl.register(pool, block_views)
+        except Exception as e:  # NIXL's and UCX's own errors: no backend, memory that cannot be registered
+            if self.settings.kv_transport == "nixl":
+                raise
+            logger.warning("no KV handoffs through NIXL: setting it up failed (%s)", e)
+            self.nixl = None
+            return
+        logger.info("KV handoffs through NIXL (UCX on %s): %.0f MiB of pool registered",
+                    self.nixl.devices or "every network device", len(pool) / 2**20)
+
     async def close(self) -> None:
+        if self.nixl is not None:
+            await self.nixl.close()
         if self.receiver is not None:
             await self.receiver.close()
         if self.shm is not None:
@@ -95,7 +124,13 @@ class KVTransports:
     @property
     def names(self) -> list[str]:
         """The transports this worker speaks, best first (WorkerStatus.kv_transports)."""
-        return [*(["shm"] if self.shm is not None else []), *(["tcp"] if self.speaks_tcp else []), "redis"]
+        return [*(["shm"] if self.shm is not None else []), *(["nixl"] if self.nixl_advertisement else []),
+                *(["tcp"] if self.speaks_tcp else []), "redis"]
+
+    @property
+    def nixl_advertisement(self) -> bytes:
+        """This worker's NIXL agent metadata and pool layout (WorkerStatus.kv_nixl); empty: no NIXL."""
+        return b"" if self.nixl is None else self.nixl.advertisement
 
     @property
     def shm_token(self) -> str:
@@ -107,6 +142,8 @@ class KVTransports:
     def choose(self, peer: KVPeer) -> str:
         if self.shm is not None and self.shm.shares_with(peer.shm_token):
             return "shm"
+        if peer.nixl and self.nixl_advertisement:
+            return "nixl"
         if self._reaches_by_tcp(peer):
             return "tcp"
         if self.settings.kv_transport != "redis" and peer.worker_id not in self._warned:
@@ -114,7 +151,7 @@ class KVTransports:
             logger.warning(
                 "KV to %s goes through Redis, which stalls every token stream while it carries the bytes: the two "
                 "workers share no tmpfs and %s (see docs/deploy.md)", peer.worker_id,
-                "it has no data port" if self.speaks_tcp else f"this worker's kv_transport is {self.settings.kv_transport}",
+                "it has no data port nor NIXL" if self.speaks_tcp else f"this worker's kv_transport is {self.settings.kv_transport}",
             )
         return "redis"
 
@@ -134,6 +171,8 @@ class KVTransports:
                 transport = "tcp" if self._reaches_by_tcp(peer) else "redis"
                 logger.warning("KV of %s goes through %s: writing it to %s failed (%s)", req_id,
                                "the data port" if transport == "tcp" else "Redis", self.shm.directory, e)
+        if transport == "nixl":  # the decode worker reads the blocks: `until_read` waits for that
+            return location_of(self.worker_id, source.block_ids)
         if transport == "tcp":
             assert peer.tcp_port is not None
             header = TransferHeader(peer.tcp_token, req_id, attempt, self.worker_id, source.shape[0], source.num_bytes)
@@ -147,32 +186,50 @@ class KVTransports:
             views = [tensor_bytes(source.read(None))]
         self.sender.send(host, port, header, views, self.settings.handoff_timeout_s)
 
+    async def until_read(self, location: str, decode_id: str, req_id: str, attempt: int) -> None:
+        """Once KVReady is sent: hold the blocks until the decode worker has read them (NIXL);
+        other transports moved them already."""
+        if location.startswith(NIXL_SCHEME):
+            assert self.nixl is not None
+            await self.nixl.until_read(decode_id, req_id, attempt)
+
+    async def read_into(self, location: str, peer: str, advertisement: bytes, block_ids: list[int], req_id: str,
+                        attempt: int) -> None:
+        """The decode side of NIXL: read the blocks of `peer` that `location` names into these
+        reserved ones, with the agent metadata of its heartbeat."""
+        if self.nixl is None:
+            raise KVTransferError(f"KV transfer {location!r} is a NIXL read, which this worker cannot make")
+        await self.nixl.read(location, peer, advertisement, block_ids, req_id, attempt)
+
     async def stop_receiving(self, req_id: str, attempt: int) -> None:
-        """End a TCP transfer into this worker's blocks, if one runs; returns once nothing writes them."""
+        """End a transfer into this worker's blocks (TCP, NIXL), if one runs; returns once nothing writes them."""
         if self.receiver is not None:
             await self.receiver.stop(req_id, attempt)
+        if self.nixl is not None:
+            await self.nixl.stop(req_id, attempt)
 
     @staticmethod
     def transport_of(location: str) -> str:
         """The transport a location's bytes went through, as the metrics label it."""
-        if location.startswith(SHM_SCHEME):
-            return "shm"
-        return "tcp" if location.startswith(TCP_SCHEME) else "redis"
+        for scheme, transport in ((SHM_SCHEME, "shm"), (NIXL_SCHEME, "nixl"), (TCP_SCHEME, "tcp")):
+            if location.startswith(scheme):
+                return transport
+        return "redis"
 
     def _at(self, location: str) -> KVConnector:
         if location.startswith(SHM_SCHEME):
             if self.shm is None:
                 raise KVTransferError(f"KV transfer {location!r} is in shared memory, which this worker does not use")
             return self.shm
-        if location.startswith(TCP_SCHEME):
-            raise KVTransferError(f"KV transfer {location!r} went into the reserved blocks; there is nothing to get")
+        if location.startswith((TCP_SCHEME, NIXL_SCHEME)):
+            raise KVTransferError(f"KV transfer {location!r} goes into the reserved blocks; there is nothing to get")
         return self.redis
 
     async def get(self, location: str) -> torch.Tensor:
         return await self._at(location).get(location)
 
     async def discard(self, location: str) -> None:
-        if location and not location.startswith(TCP_SCHEME):
+        if location and not location.startswith((TCP_SCHEME, NIXL_SCHEME)):
             await self._at(location).discard(location)
 
 
@@ -185,6 +242,21 @@ def advertised_host(settings: WorkerSettings) -> str:
         return socket.gethostbyname(host)
     except OSError as e:
         raise ValueError(f"the KV address {host!r} does not resolve ({e}); set LLMD_WORKER__KV_TCP_ADVERTISE") from e
+
+
+def nixl_transport(settings: WorkerSettings, worker_id: str) -> NixlTransport | None:
+    """NIXL where it is installed and not ruled out by a forced transport; forced without it: an error."""
+    if settings.kv_transport not in ("auto", "nixl"):
+        return None
+    if nixl_api() is None:
+        if settings.kv_transport == "nixl":
+            raise ValueError("LLMD_WORKER__KV_TRANSPORT is nixl, but NIXL is not installed (pip install nixl-cu12, "
+                             "or pip install -e '.[nixl]')")
+        return None
+    # like the data port: on loopback unless the deployment opens its KV address to the network
+    # (UCX would otherwise listen on every interface)
+    loopback = ipaddress.ip_address(advertised_host(settings)).is_loopback
+    return NixlTransport(worker_id, settings.handoff_timeout_s, devices="lo" if loopback else "")
 
 
 def kv_transports(redis: aioredis.Redis, keys: Keys, namespace: str, settings: WorkerSettings,

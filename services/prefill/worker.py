@@ -400,7 +400,7 @@ class PrefillWorker(Worker):
             logger.debug("decode worker %s has no room for %s", decode_id, t.req_id)
             return None
         t.decode_id = decode_id
-        t.peer = KVPeer(decode_id, accept.kv_shm, status.kv_host, status.kv_port, accept.kv_token)
+        t.peer = KVPeer(decode_id, accept.kv_shm, status.kv_host, status.kv_port, accept.kv_token, bool(status.kv_nixl))
         self.picker.record(decode_id, offer.num_blocks)
         return accept.needed_blocks
 
@@ -413,6 +413,7 @@ class PrefillWorker(Worker):
             source = KVSource(
                 engine.kv_blocks_shape(len(block_ids)), engine.kv_dtype,
                 read=lambda out: engine.read_blocks(block_ids, out), views=lambda: engine.kv_block_views(block_ids),
+                block_ids=block_ids,
             )  # fmt: skip
             num_bytes = source.num_bytes
             location = await self.kv.put(t.req_id, t.msg.attempt, source, t.peer)
@@ -428,6 +429,14 @@ class PrefillWorker(Worker):
             (self.keys.replies(t.msg.gateway_id), TokenBatch([holder])),
         ])
         self._remember_handoff(t.req_id, decode_id)
+        try:
+            await self.kv.until_read(location, decode_id, t.req_id, t.msg.attempt)
+        except KVTransferError as e:
+            # that worker has given up on the read by now too: it failed the request, or died and its
+            # requests are re-run; the blocks can go
+            logger.warning("%s did not read the KV of %s: %s", decode_id, t.req_id, e)
+            self.metrics.handoff_failures.inc()
+            return
         self._observe_handoff(t, decode_id, len(needed), num_bytes, self.kv.transport_of(location))
 
     def _observe_handoff(self, t: Tracked, decode_id: str, num_blocks: int, num_bytes: int, transport: str) -> None:

@@ -322,6 +322,11 @@ class Engine:
         `read_blocks` and `write_blocks`."""
         return self.runner.block_views(block_ids)
 
+    def kv_pool_view(self) -> memoryview | None:
+        """The whole pool's bytes as one view (None where the pool is not in host memory), for a
+        transport that registers the pool's memory once (NIXL); `kv_block_views` are inside it."""
+        return self.runner.pool_view()
+
     def kv_blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The shape `read_blocks` gives that many blocks."""
         return self.runner.blocks_shape(num_blocks)

@@ -194,6 +194,12 @@ class ModelRunner:
                   for block in block_ids for layer_kv in range(num_layers * 2)]
         return [flat[start : start + segment] for start in starts]
 
+    def pool_view(self) -> memoryview | None:
+        """The whole pool's bytes, writable; None where it is not in host memory."""
+        if self.device.type != "cpu":
+            return None
+        return memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
+
     def blocks_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
 

@@ -14,6 +14,9 @@ Over the data port (services/kv_transfer/tcp.py), with half of a transfer's byte
 prefill-dies-mid-transfer and decode-dies-mid-transfer SIGKILL themselves;
 prefill-stalls-mid-transfer sends nothing more until the decode worker gives up and closes the
 connection, once (its later transfers are normal).
+
+Through NIXL (services/kv_transfer/nixl.py), with a decode worker's read in flight:
+prefill-dies-mid-read and decode-dies-mid-read SIGKILL themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import NoReturn
 
 from services.decode.worker import DecodeWorker
@@ -108,10 +112,42 @@ class DecodeDiesMidTransfer(PreferredDecode):
         die()
 
 
+def die_at_first(agent: object, method: str, before_s: float = 0.0) -> None:
+    """SIGKILL the process at its first call of `agent.method` (NIXL's progress), `before_s`
+    after it, the call itself made: by then a decode worker's read is in flight."""
+    call = getattr(agent, method)
+
+    def call_then_die(*args: object) -> NoReturn:
+        time.sleep(before_s)
+        call(*args)
+        die()
+
+    setattr(agent, method, call_then_die)
+
+
+class PrefillDiesMidRead(PrefillWorker):
+    """NIXL: dies while the decode worker reads its blocks (it has had the KVReady for 0.2 s)."""
+
+    async def _transfer(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
+        assert self.kv.nixl is not None, "prefill-dies-mid-read needs NIXL (kv_transport auto or nixl)"
+        die_at_first(self.kv.nixl.agent, "get_new_notifs", before_s=0.2)
+        await super()._transfer(t, decode_id, needed)
+
+
+class DecodeDiesMidRead(PreferredDecode):
+    """NIXL: dies right after starting to read a prefill worker's blocks into its reserved ones."""
+
+    async def _on_kv_ready(self, msg: KVReady) -> None:
+        assert self.kv.nixl is not None, "decode-dies-mid-read needs NIXL (kv_transport auto or nixl)"
+        die_at_first(self.kv.nixl.agent, "check_xfer_state")
+        await super()._on_kv_ready(msg)
+
+
 FAULTS: dict[str, type[Worker]] = {
     "prefill-dies-after-accept": PrefillDiesAfterAccept, "decode-dies-on-kv-ready": DecodeDiesOnKVReady,
     "prefill-dies-mid-transfer": PrefillDiesMidTransfer, "decode-dies-mid-transfer": DecodeDiesMidTransfer,
-    "prefill-stalls-mid-transfer": PrefillStallsMidTransfer,
+    "prefill-stalls-mid-transfer": PrefillStallsMidTransfer, "prefill-dies-mid-read": PrefillDiesMidRead,
+    "decode-dies-mid-read": DecodeDiesMidRead,
 }
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ FAILURES = "llmd_handoff_failures_total"
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {
         "LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), **FAST_HEARTBEAT,
-        "LLMD_WORKER__HANDOFF_TIMEOUT_S": str(HANDOFF_TIMEOUT_S),
+        "LLMD_WORKER__HANDOFF_TIMEOUT_S": str(HANDOFF_TIMEOUT_S), "LLMD_WORKER__KV_TRANSPORT": "tcp",  # not NIXL
     }  # fmt: skip
     apart = {role: {"LLMD_WORKER__KV_SHM_DIR": str(tmp_path_factory.mktemp(f"shm-{role}"))} for role in ("prefill", "decode")}
     with running_stack("kv-tcp", env, num_prefill=1, num_decode=2, role_env=apart) as stack:
@@ -69,22 +69,28 @@ def by_transport(rds: redis.Redis, stack: Stack) -> dict[str, float]:
     return kv_bytes_by_transport(rds, stack.keys)
 
 
-async def test_greedy_tokens_over_the_data_port_equal_the_single_engine(
-    stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
+async def assert_greedy_tokens_only_through(
+    transport: str, stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
 ) -> None:
+    """Prompts of 1-19 blocks end with the single engine's greedy tokens, every KV byte through `transport`."""
     prompts = [[(i * 7919 + j * 104729) % 49000 + 50 for j in range(n)] for i, n in enumerate((7, 40, 300))]
-    statuses = await gateway.workers("decode")
-    assert all(s.kv_port and s.kv_host == "127.0.0.1" and s.kv_transports == ["shm", "tcp", "redis"]
-               for s in statuses)
     for i, p in enumerate(prompts):
-        await gateway.submit(f"tcp-{i}", p, GREEDY)
+        await gateway.submit(f"{transport}-{i}", p, GREEDY)
 
-    replies = await gateway.finish(*(f"tcp-{i}" for i in range(len(prompts))))
+    replies = await gateway.finish(*(f"{transport}-{i}" for i in range(len(prompts))))
 
     assert [r.token_ids for r in replies.values()] == offline_greedy(loaded_model, prompts, GREEDY)
     moved = by_transport(rds, stack)
-    assert moved["tcp"] > 0 and moved["redis"] == 0 and moved["shm"] == 0
+    assert moved.pop(transport) > 0 and set(moved.values()) == {0}
     await gateway.until_all_blocks_free()
+
+
+async def test_greedy_tokens_over_the_data_port_equal_the_single_engine(
+    stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
+) -> None:
+    statuses = await gateway.workers("decode")
+    assert all(s.kv_port and s.kv_host == "127.0.0.1" and s.kv_transports == ["tcp", "redis"] for s in statuses)
+    await assert_greedy_tokens_only_through("tcp", stack, gateway, loaded_model, rds)
 
 
 def normal_prefill_workers(stack: Stack) -> list[str]:
@@ -101,7 +107,15 @@ def only(stack: Stack, faulty: str) -> None:
 def test_a_prefill_worker_killed_mid_transfer_leaves_nothing_held_and_is_replaced(
     stack: Stack, client: OpenAI, model: str, expected: str, rds: redis.Redis,
 ) -> None:
-    faulty = stack.add_worker("prefill", module=[FAULTY, "prefill-dies-mid-transfer"])
+    assert_replaced_after_dying_mid_transfer("prefill-dies-mid-transfer", stack, client, model, expected, rds)
+
+
+def assert_replaced_after_dying_mid_transfer(
+    fault: str, stack: Stack, client: OpenAI, model: str, expected: str, rds: redis.Redis,
+) -> None:
+    """A prefill worker with `fault` (tests/services/faulty_workers.py) takes a request and dies
+    mid-transfer: the decode worker frees its blocks, another prefill worker re-runs the request."""
+    faulty = stack.add_worker("prefill", module=[FAULTY, fault])
     only(stack, faulty)
 
     with ThreadPoolExecutor(1) as pool:
