@@ -203,8 +203,9 @@ class RoutingSettings(BaseModel):
 
     enabled: bool = Field(True, description="route by cached prefix; off (or with no KV events from the workers) "
                           "every request goes to the shared requests stream and decode is chosen by load")
-    load_weight: float = Field(1.0, ge=0, description="prefill: one queued prompt token ahead costs this many "
-                               "cached tokens (1: both are a token of prefill to wait for)")
+    load_weight: float = Field(0.0, ge=0, description="prefill: one queued prompt token ahead costs this many "
+                               "cached tokens (0: the cache decides while max_imbalance_tokens holds, as "
+                               "SGLang's router does; measured best of 0, 1 and 4 by bench-routing)")
     max_imbalance_tokens: int = Field(4096, ge=0, description="prefill workers queued this many prompt tokens "
                                       "beyond the least queued one get no routed requests")
     max_decode_imbalance_requests: int = Field(4, ge=0, description="decode workers running this many requests "
