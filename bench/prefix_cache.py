@@ -8,7 +8,8 @@ LLMD_KV_CACHE__ENABLE_PREFIX_CACHING, get the same seeded requests at the same s
 arrivals: --num-groups prefixes of --prefix-len tokens, each request one of them plus its own
 --suffix-len tokens. The warm-up request has fresh tokens (shaped like the first request), so it
 primes no prefix of the run. The hit rate is the prefill workers' vllm:prefix_cache_hits over
-vllm:prefix_cache_queries (prompt tokens) during the timed run.
+vllm:prefix_cache_queries (prompt tokens) during the timed run; every request goes to a prefill
+worker (LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS=0: no decode worker prefills a request it caches).
 
 The default rate keeps the machine below saturation with caching off (on 2 CPU cores one
 1,056-token prefill takes about 2 s), so the ratio measures prefill work, not queueing.
@@ -95,7 +96,9 @@ def run_mode(mode: str, caching: bool, spec: WorkloadSpec, load: LoadSpec, seed:
     vocab = vocab_ids()
     requests = build_workload(spec, vocab, seed)
     print(f"prefix caching {mode}: starting a stack", file=sys.stderr, flush=True)
-    with Stack(stack_config({CACHING_ENV: str(caching).lower()})) as stack:
+    # the prefill worker's cache is what is compared: no request goes to a decode worker that holds its prefix
+    env = {CACHING_ENV: str(caching).lower(), "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": "0"}
+    with Stack(stack_config(env)) as stack:
         assert stack.base_url is not None, "stack_config starts a gateway"
         warm_up(stack.base_url, warmup_requests(requests, vocab, seed, 1))
         before = scrape_workers(stack, "prefill")
