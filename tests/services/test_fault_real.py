@@ -46,7 +46,10 @@ def config(redis_url: str, num_prefill: int, num_decode: int) -> StackConfig:
     return StackConfig(
         port=0, num_prefill=num_prefill, num_decode=num_decode, redis_url=redis_url,
         namespace=f"test-fault-real-{uuid.uuid4().hex[:8]}", dtype="float32",
-        env={"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), "LLMD_LOG_LEVEL": "WARNING", **FAST_HEARTBEAT},
+        # a rerun's prompts are cached on the decode worker, which would prefill them itself: these faults
+        # are about the prefill workers holding them
+        env={"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), "LLMD_LOG_LEVEL": "WARNING",
+             "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": "0", **FAST_HEARTBEAT},
     )  # fmt: skip
 
 

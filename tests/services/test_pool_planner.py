@@ -124,6 +124,8 @@ PLANNER_ENV = {
     "LLMD_PLANNER__SCALE_DOWN_AFTER_S": "2", "LLMD_PLANNER__HOLD_S": "5",
     # only the prefill pool is under test: the decode pool's steps never come near this
     "LLMD_PLANNER__ITL_TARGET_MS": "60000",
+    # the load repeats one prompt, which a decode worker would then prefill itself: keep it on the prefill pool
+    "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": "0",
     "LLMD_KV_CACHE__MEMORY_BYTES": str(64 * 2**20), "LLMD_LOG_LEVEL": "WARNING",
 }
 LONG_PROMPT = "Tell me everything about the history of the city of Paris. " * 40  # ~500 tokens
