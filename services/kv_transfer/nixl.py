@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any
@@ -131,7 +132,7 @@ def notification(req_id: str, attempt: int) -> bytes:
 # -- the helper thread ----------------------------------------------------------------------------
 
 
-class _Operation:
+class _Operation(ABC):
     """One call sequence into the agent, on the helper thread: `begin`, then `poll` until it
     returns True (done), raises, passes its deadline or is stopped; `end` always runs."""
 
@@ -144,8 +145,9 @@ class _Operation:
     def begin(self, transport: NixlTransport) -> None:
         pass
 
+    @abstractmethod
     def poll(self, transport: NixlTransport) -> bool:
-        raise NotImplementedError
+        """One round of progress; True once the operation is done."""
 
     def end(self, transport: NixlTransport, error: BaseException | None) -> None:
         pass
