@@ -3,14 +3,19 @@ the ones that expired or were cancelled while queued, and answer those that will
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
+from shared.engine.engine import InvalidRequestError
+from shared.engine.sampling_params import SamplingParamsError
 from shared.protocol import GenerateRequest, TokenBatch, TokenUpdate
 from shared.streams import PREFILL_GROUP, with_backoff
 
 if TYPE_CHECKING:
     from services.worker_base import Worker
+
+logger = logging.getLogger(__name__)
 
 
 async def refusal(worker: Worker, msg: GenerateRequest) -> tuple[str, str | None] | None:
@@ -32,3 +37,17 @@ async def finish_early(worker: Worker, msg: GenerateRequest, stream: str, entry_
     )
     await worker.send(worker.keys.replies(msg.gateway_id), TokenBatch([update]))
     await worker.ack(stream, PREFILL_GROUP, entry_id)
+
+
+async def add_to_engine(worker: Worker, msg: GenerateRequest, stop_after_prefill: bool) -> str | None:
+    """Queue `msg` in the worker's engine; the error a request the engine rejects gets, else None."""
+    engine = worker.engine.engine
+    try:
+        await worker.engine.call(
+            engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, stop_after_prefill,
+            msg.output_token_ids, msg.seed,
+        )
+    except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
+        logger.info("rejected %s: %s", msg.req_id, e)
+        return f"invalid request: {e}"
+    return None

@@ -19,12 +19,11 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.intake import finish_early, refusal
+from services.intake import add_to_engine, finish_early, refusal
 from services.prefill.tracked import entry_time
 from services.token_stream import Active
 from services.worker_base import Ack
-from shared.engine.engine import InvalidRequestError, RequestOutput
-from shared.engine.sampling_params import SamplingParamsError
+from shared.engine.engine import RequestOutput
 from shared.protocol import GenerateRequest, Message
 from shared.streams import PREFILL_GROUP
 
@@ -86,15 +85,9 @@ class LocalPrefill:
         if refused is not None:
             await finish_early(w, msg, self.stream, entry_id, *refused)
             return
-        engine = w.engine.engine
-        try:
-            await w.engine.call(
-                engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, False,
-                msg.output_token_ids, msg.seed,
-            )
-        except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
-            logger.info("rejected %s: %s", msg.req_id, e)
-            await finish_early(w, msg, self.stream, entry_id, "abort", f"invalid request: {e}")
+        rejected = await add_to_engine(w, msg, stop_after_prefill=False)
+        if rejected is not None:
+            await finish_early(w, msg, self.stream, entry_id, "abort", rejected)
             return
         # no await since the engine call returned: no step output for it has been handled yet
         w.tokens.active[msg.req_id] = Active(msg.gateway_id, msg.attempt, len(msg.output_token_ids))

@@ -27,14 +27,13 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from services.intake import finish_early, refusal
+from services.intake import add_to_engine, finish_early, refusal
 from services.kv_transfer import KVPeer, KVSource, KVTransferError
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
 from services.prefill.tracked import MIB, Tally, Tracked, entry_time
 from services.worker_base import Worker, token_update
-from shared.engine.engine import InvalidRequestError, RequestOutput
-from shared.engine.sampling_params import SamplingParamsError
+from shared.engine.engine import RequestOutput
 from shared.protocol import (
     Cancel,
     GenerateRequest,
@@ -158,15 +157,9 @@ class PrefillWorker(Worker):
         if refused is not None:
             await self._finish_early(tracked, *refused)
             return
-        try:
-            engine = self.engine.engine
-            await self.engine.call(
-                engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, self.stop_after_prefill,
-                msg.output_token_ids, msg.seed,
-            )
-        except (InvalidRequestError, SamplingParamsError, TypeError, ValueError) as e:
-            logger.info("rejected %s: %s", msg.req_id, e)
-            await self._finish_early(tracked, "abort", f"invalid request: {e}")
+        rejected = await add_to_engine(self, msg, self.stop_after_prefill)
+        if rejected is not None:
+            await self._finish_early(tracked, "abort", rejected)
             return
         self._tracked[msg.req_id] = tracked
         logger.debug("admitted %s (%d prompt tokens, attempt %d)", msg.req_id, tracked.num_prefill_tokens, msg.attempt)
