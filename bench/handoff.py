@@ -8,6 +8,9 @@ each request moves its whole KV). For each length, one untimed warm-up, then the
 a time; the prefill worker's /metrics before and after give per length:
 
 - KV bytes per request (llmd_handoff_bytes) and per prompt token;
+- handoffs streamed layer by layer while the prefill ran (llmd_handoffs_streamed: tcp, prompts of
+  --stream-min-tokens and more); their handoff seconds are what was left after the prefill, the
+  exposed part;
 - handoff seconds (llmd_handoff_seconds): from the end of the request's prefill to KVReady sent,
   i.e. offer, the decode worker's accept, and moving the blocks: into the workers' shared
   /dev/shm (shm), read by the decode worker through NIXL straight into its reserved blocks
@@ -65,6 +68,7 @@ COUNTERS = (
     "llmd_handoff_seconds_count",
     "vllm:time_to_first_token_seconds_sum",
     "vllm:time_to_first_token_seconds_count",
+    "llmd_handoffs_streamed_total",
 )
 
 
@@ -91,6 +95,7 @@ class LengthRun:
             "completed": self.metrics.num_completed,
             "failed": self.metrics.num_failed,
             "handoffs": int(num_handoffs),
+            "streamed": int(c["llmd_handoffs_streamed_total"]),
             "kv_bytes_per_request": bytes_per_request,
             "kv_bytes_per_token": bytes_per_request / self.prompt_len,
             "handoff_mean_s": handoff_s,
@@ -125,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shm: the workers' shared /dev/shm (the default on one host); nixl: NIXL's UCX backend "
                         "(over TCP on loopback unless UCX_TLS is set); tcp: the decode worker's data port (the default "
                         "across hosts without NIXL); redis: Redis only")
+    parser.add_argument("--stream-min-tokens", type=int, default=None,
+                        help="LLMD_WORKER__KV_STREAM_MIN_TOKENS: prompts this long stream their KV layer by layer "
+                        "over the data port while they prefill (default: the worker's, 512; 0: never)")
     return parser
 
 
@@ -156,10 +164,11 @@ def format_report(rows: list[dict[str, Any]]) -> str:
         return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
     return format_table(
-        ["prompt tokens", "ok/failed", "KV MiB/req", "KV KiB/token", "handoff ms", "handoff MiB/s", "TTFT ms",
+        ["prompt tokens", "ok/failed", "streamed", "KV MiB/req", "KV KiB/token", "handoff ms", "handoff MiB/s", "TTFT ms",
          "TTFT ms (prefill worker)", "ITL[0] ms", "handoff % of TTFT", "handoff % of ITL[0]",
          "handoff % of 2nd-token time"],
-        [[str(r["prompt_tokens"]), f"{r['completed']}/{r['failed']}", f"{r['kv_bytes_per_request'] / MIB:.2f}",
+        [[str(r["prompt_tokens"]), f"{r['completed']}/{r['failed']}", str(r["streamed"]),
+          f"{r['kv_bytes_per_request'] / MIB:.2f}",
           f"{r['kv_bytes_per_token'] / 1024:.1f}", ms(r["handoff_mean_s"]), f"{r['handoff_mib_s']:.0f}",
           ms(r["ttft_client_mean_s"]), ms(r["ttft_worker_mean_s"]), ms(r["itl0_client_mean_s"]),
           f"{r['handoff_share_of_ttft']:.0%}", f"{r['handoff_share_of_itl0']:.0%}",
@@ -200,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting a stack (1 prefill + 1 decode, prefix caching off, KV through {args.transport})",
           file=sys.stderr, flush=True)
     env = {"LLMD_KV_CACHE__ENABLE_PREFIX_CACHING": "false", "LLMD_WORKER__KV_TRANSPORT": args.transport}
+    if args.stream_min_tokens is not None:
+        env["LLMD_WORKER__KV_STREAM_MIN_TOKENS"] = str(args.stream_min_tokens)
     if args.transport == "nixl" and "UCX_TLS" not in os.environ:
         env |= UCX_ON_LOOPBACK
     with Stack(stack_config(env)) as stack:

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget of an engine step: how much of a long prompt a colocated step takes")
     stack.add_argument("--kv-memory-mib", type=int, default=1024, help="KV pool of each worker")
+    stack.add_argument("--kv-transport", default="auto", choices=("auto", "shm", "nixl", "tcp", "redis"),
+                       help="LLMD_WORKER__KV_TRANSPORT of the disaggregated stack: tcp takes the data port, as "
+                       "between hosts (long prompts' KV then streams layer by layer while they prefill)")
 
     load = parser.add_argument_group("workload")
     load.add_argument("--num-short", type=int, default=100, help="requests of the steady stream")
@@ -175,7 +178,7 @@ def mode_config(mode: str, args: argparse.Namespace) -> StackConfig:
         "OMP_WAIT_POLICY": "PASSIVE",
     }
     if mode == "disaggregated":
-        config = stack_config(env)
+        config = stack_config(env | {"LLMD_WORKER__KV_TRANSPORT": args.kv_transport})
         role_env = {"prefill": pinned(args.prefill_cpus), "decode": pinned(args.decode_cpus)}
     else:
         config = dataclasses.replace(stack_config(env, num_prefill=0, num_decode=0), num_colocated=1)

@@ -48,6 +48,9 @@ class EngineThread:
         self._busy_since: float | None = None
         self._stepped_at = clock()
         self.after_call: Callable[[], None] | None = None  # runs on the engine thread after every call
+        # runs on the engine thread after each decoder layer of a step, with that layer's index (CPU only)
+        self.after_layer: Callable[[Engine, int], None] | None = None
+        self._layer = 0  # the next decoder layer of the step in progress
 
     @property
     def engine(self) -> Engine:
@@ -114,6 +117,9 @@ class EngineThread:
         """The model's hook after each decoder layer, on the engine thread."""
         if self._lease is not None:
             self._lease.between_layers()
+        layer, self._layer = self._layer, self._layer + 1
+        if self.after_layer is not None:
+            self.after_layer(self.engine, layer)
         if not self._layer_calls.empty():
             _hand_back(self._take_layer_calls())  # at once: a reservation's answer need not wait for the step
 
@@ -146,6 +152,7 @@ class EngineThread:
         if self._lease is not None:
             self._lease.before_step()
         started, num_steps = self._clock(), self.engine.num_steps
+        self._layer = 0
         outputs = self.engine.step()
         self._stepped_at = self._clock()
         if self.engine.num_steps != num_steps:

@@ -60,6 +60,10 @@ class WorkerMetrics:
         self.handoff_seconds = histogram(
             "llmd_handoff_seconds", "From a request's prefill finishing to its KV being ready on a decode worker."
         )
+        self.handoffs_streamed = counter(
+            "llmd_handoffs_streamed", "Handoffs whose KV went over the data port layer by layer while the prefill "
+            "ran (LLMD_WORKER__KV_STREAM_MIN_TOKENS); llmd_handoff_seconds then counts only what was left after it."
+        )
         self.local_prefills = counter(
             "llmd_local_prefills", "Requests a decode worker prefilled itself, without a handoff: it cached all "
             "but a few tokens of their prompt (LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS)."

@@ -164,6 +164,9 @@ class HandoffOffer(Message):
     # how the prefill worker's pool stores KV (kernels/kv_quant.py format name): the blocks move as
     # those bytes, so a decode worker with another format refuses the offer; empty: not stated
     kv_cache_dtype: str = ""
+    # sent while the prefill runs, to stream its KV layer by layer: the blocks hold every token's KV,
+    # and the first sampled token comes with KVReady (num_cached_tokens too)
+    first_token_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -188,6 +191,11 @@ class KVReady(Message):
     block_positions: list[int]
     location: str  # connector-specific address of the bytes
     num_bytes: int
+    # for an offer with first_token_pending: the token the prefill sampled, as TokenUpdate has it
+    first_token_ids: list[int] = field(default_factory=list)
+    first_logprobs: list[float] | None = None
+    first_top_logprobs: list[list[list[float]]] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

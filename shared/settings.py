@@ -155,6 +155,10 @@ class WorkerSettings(BaseModel):
         "", description="address other workers reach this one at and see its KV connections come from (default: "
         "kv_tcp_host, or this host's address when that is 0.0.0.0); a decode worker accepts KV only from addresses "
         "that live prefill workers advertise")
+    kv_stream_min_tokens: int = Field(
+        512, ge=0, description="a prompt of at least this many tokens to compute, bound for a decode worker reached "
+        "over the data port, sends its KV layer by layer while it prefills (the decode worker reserves blocks "
+        "first), so little of the transfer is left once the first token is out; 0: never")
     stuck_after_s: float = Field(30.0, gt=0, description="no engine progress this long while busy = stuck")
     cpus: str = Field("", description="CPUs the worker runs on, e.g. '0', '0-1' or '0,2'; empty = any")
     elastic_threads: bool = Field(

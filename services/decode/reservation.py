@@ -42,9 +42,14 @@ class Reservation:
                 f"{header.num_blocks} blocks of {header.num_bytes} bytes announced for {header.req_id!r}; "
                 f"its reservation holds {len(self.block_ids)} blocks of {expected} bytes"
             )
+        if header.num_layers not in (0, shape[1]):
+            raise KVTransferError(f"{header.num_layers} layers announced for {header.req_id!r}; this model has {shape[1]}")
         views = engine.kv_block_views(self.block_ids)
         if views is None:  # a pool in device memory: the bytes land on the host, KVReady writes them
             self.staging = torch.empty(shape, dtype=engine.kv_dtype)
-            views = [tensor_bytes(self.staging)]
+            # in the pool's order (per block, per layer, K then V), so a layered transfer finds its pieces
+            whole, num_pieces = tensor_bytes(self.staging), len(self.block_ids) * shape[1] * 2
+            piece = len(whole) // num_pieces
+            views = [whole[i * piece : (i + 1) * piece] for i in range(num_pieces)]
         self.receiving = True
         return views

@@ -3,11 +3,13 @@
     inbox --HandoffOffer--> reserve blocks --HandoffAccept(needed positions | None, transfer token)--> prefill inbox
     data port ------------> token checked against the reservation, bytes straight into its blocks
     inbox --KVReady-------> fetch bytes and write blocks (tmpfs, Redis), commit: the request joins the next step
+                            (an offer made before the prefill, to stream its KV layer by layer: with its first token)
     inbox --Cancel--------> abort: its blocks are free before the next step
     requests:<own id> ----> a prompt this worker caches all but a few tokens of: prefilled here (local_prefill.py)
     every step -----------> one TokenBatch per gateway, sent while the next step runs
 
-A reservation whose KVReady does not come within handoff_timeout_s is aborted, so a prefill
+A reservation whose KVReady does not come within handoff_timeout_s (after its last byte, for
+one the data port is still writing) is aborted, so a prefill
 worker that dies mid-handoff cannot pin blocks here; the gateway is told (a clear error) unless
 that prefill worker died, in which case another one re-runs the request it left pending. A
 transfer over the data port that fails frees the reservation at once and tells nobody: the
@@ -72,6 +74,7 @@ def handoff_from_offer(offer: HandoffOffer) -> Handoff:
         seed=offer.seed,
         num_cached_tokens=offer.num_cached_tokens,
         num_blocks=offer.num_blocks,
+        first_token_pending=offer.first_token_pending,
     )
 
 
@@ -82,9 +85,24 @@ def reserve_kv(engine: Engine, handoff: Handoff) -> tuple[list[int], list[int]] 
     return None if needed is None else (needed, engine.import_block_ids(handoff.req_id, needed))
 
 
-def commit_kv(engine: Engine, req_id: str) -> None:
-    """Let an imported request run; on failure its blocks are freed."""
+FirstToken = tuple[int, float | None, list[tuple[int, float]] | None, int]  # Engine.add_first_token's arguments
+
+
+def first_token_of(msg: KVReady) -> FirstToken:
+    """The first token a KVReady brings for an offer made before the prefill sampled it."""
+    if len(msg.first_token_ids) != 1:
+        raise KVTransferError(f"KVReady of {msg.req_id} brings {len(msg.first_token_ids)} first tokens, not one")
+    logprob = msg.first_logprobs[0] if msg.first_logprobs else None
+    top = [(int(t), float(lp)) for t, lp in msg.first_top_logprobs[0]] if msg.first_top_logprobs else None
+    return msg.first_token_ids[0], logprob, top, msg.num_cached_tokens
+
+
+def commit_kv(engine: Engine, req_id: str, first: FirstToken | None = None) -> None:
+    """Let an imported request run (with its first token, where the offer came before it); on
+    failure its blocks are freed."""
     try:
+        if first is not None:
+            engine.add_first_token(req_id, *first)
         engine.commit_import(req_id)
     except Exception:
         engine.abort_request(req_id)
@@ -229,6 +247,11 @@ class DecodeWorker(Worker):
         held = self._reserved.get(req_id)
         if held is None or held.offer.attempt != attempt:
             return
+        if held.receiving:  # a transfer streams into it as the prefill runs: its own bound on silence ends it
+            held.expiry = asyncio.get_running_loop().call_later(
+                self.settings.worker.handoff_timeout_s, self._expire, req_id, attempt
+            )
+            return
         del self._reserved[req_id]
         error = f"its KV did not arrive from {held.offer.prefill_id} within {self.settings.worker.handoff_timeout_s}s"
         logger.warning("giving up on %s: %s; its reserved blocks are free", req_id, error)
@@ -258,6 +281,7 @@ class DecodeWorker(Worker):
             await self._discard(msg.location)
             return
         try:
+            first = first_token_of(msg) if held.offer.first_token_pending else None
             data = await self._fetch(held, msg)
         except KVTransferError as e:
             if self._reserved.get(msg.req_id) is held:  # else a cancel or its expiry ended the read, and answers
@@ -273,7 +297,8 @@ class DecodeWorker(Worker):
         held.expiry.cancel()
         offer = held.offer
         # active before the write: a Cancel from here on finds the request, and its abort waits for the write
-        active = self.tokens.active[msg.req_id] = Active(offer.gateway_id, offer.attempt, len(offer.output_token_ids))
+        num_output = len(offer.output_token_ids) + (first is not None)
+        active = self.tokens.active[msg.req_id] = Active(offer.gateway_id, offer.attempt, num_output)
         try:
             if data is not None:
                 # off the engine thread (see Engine.write_blocks): decode steps go on while the bytes land
@@ -288,7 +313,7 @@ class DecodeWorker(Worker):
                 await self._discard(msg.location)
                 return
             # at the step's next layer: the request joins the very next step
-            await self.engine.call_between_layers(commit_kv, self.engine.engine, msg.req_id)
+            await self.engine.call_between_layers(commit_kv, self.engine.engine, msg.req_id, first)
         except Exception as e:
             logger.exception("importing the KV of %s failed", msg.req_id)
             self.tokens.active.pop(msg.req_id, None)

@@ -7,6 +7,7 @@ returned location in KVReady; the decode side takes it from there and commits th
     shm.py     a tmpfs both workers see (one host)
     nixl.py    NIXL (UCX): the decode worker reads pool blocks into its reserved pool blocks
     tcp.py     a socket of our own, straight from pool blocks into reserved pool blocks
+    tcp_layers.py  the same socket, a long prompt's blocks layer by layer while it prefills
     redis.py   Redis hashes: the last resort
     select.py  `KVTransports`: which one each pair of workers uses
 """

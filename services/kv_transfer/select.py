@@ -24,11 +24,14 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import torch
 
-from services.kv_transfer.base import KVConnector, KVSource, KVTransferError, tensor_bytes
+from services.kv_transfer.base import KVConnector, KVSource, KVTransferError, num_bytes, tensor_bytes
 from services.kv_transfer.nixl import NIXL_SCHEME, NixlTransport, location_of, nixl_api
 from services.kv_transfer.redis import RedisKVConnector
 from services.kv_transfer.shm import SHM_SCHEME, SharedMemoryKVConnector
 from services.kv_transfer.tcp import TCP_SCHEME, Claim, IsPeer, Settle, TcpReceiver, TcpSender, TransferHeader
+from services.kv_transfer.tcp_layers import LayerStream
+from shared.engine.engine import Engine
+from shared.protocol import WorkerStatus
 from shared.settings import WorkerSettings
 from shared.streams import Keys
 
@@ -62,10 +65,12 @@ class KVTransports:
         self.shm = shm
         self.speaks_tcp = settings.kv_transport in ("auto", "tcp")
         self.sender = TcpSender()
+        self.layer_stream = LayerStream
         self.receiver: TcpReceiver | None = None
         self.nixl = nixl_transport(settings, worker_id)
         self.host = advertised_host(settings) if self.speaks_tcp else ""
         self.port: int | None = None  # the data port where this worker receives KV, once open
+        self.streams_layers = False  # sends long prompts' KV layer by layer (tcp_layers.py); see use_pool
         self._warned: set[str] = set()
 
     def listen(self, is_peer: IsPeer, claim: Claim, settle: Settle) -> None:
@@ -84,7 +89,8 @@ class KVTransports:
 
     def use_pool(self, pool: memoryview | None, block_views: Callable[[list[int]], list[memoryview] | None]) -> None:
         """Register the engine's KV pool with NIXL (`Engine.kv_pool_view`, `Engine.kv_block_views`);
-        a pool not in host memory goes by the other transports."""
+        a pool not in host memory goes by the other transports, and is not streamed layer by layer."""
+        self.streams_layers = pool is not None and self.speaks_tcp and self.settings.kv_stream_min_tokens > 0
         if self.nixl is None:
             return
         if pool is None:
@@ -140,20 +146,40 @@ class KVTransports:
     # -- one transfer --------------------------------------------------------------------------
 
     def choose(self, peer: KVPeer) -> str:
-        if self.shm is not None and self.shm.shares_with(peer.shm_token):
-            return "shm"
-        if peer.nixl and self.nixl_advertisement:
-            return "nixl"
-        if self._reaches_by_tcp(peer):
-            return "tcp"
-        if self.settings.kv_transport != "redis" and peer.worker_id not in self._warned:
+        transport = self._best(peer)
+        if transport == "redis" and self.settings.kv_transport != "redis" and peer.worker_id not in self._warned:
             self._warned.add(peer.worker_id)
             logger.warning(
                 "KV to %s goes through Redis, which stalls every token stream while it carries the bytes: the two "
                 "workers share no tmpfs and %s (see docs/deploy.md)", peer.worker_id,
                 "it has no data port nor NIXL" if self.speaks_tcp else f"this worker's kv_transport is {self.settings.kv_transport}",
             )
+        return transport
+
+    def _best(self, peer: KVPeer) -> str:
+        if self.shm is not None and self.shm.shares_with(peer.shm_token):
+            return "shm"
+        if peer.nixl and self.nixl_advertisement:
+            return "nixl"
+        if self._reaches_by_tcp(peer):
+            return "tcp"
         return "redis"
+
+    def streams_to(self, status: WorkerStatus) -> bool:
+        """Whether KV for this decode worker goes over its data port, so a long prompt's can be
+        streamed layer by layer: no shared tmpfs, no NIXL in common (its heartbeat says)."""
+        neither_shm_nor_nixl = self._best(KVPeer(status.worker_id, status.kv_shm, nixl=bool(status.kv_nixl))) == "redis"
+        return self.streams_layers and neither_shm_nor_nixl and status.kv_port is not None and bool(status.kv_host)
+
+    def stream(self, req_id: str, attempt: int, peer: KVPeer, needed: list[int], engine: Engine) -> LayerStream:
+        """A layer-by-layer transfer of the blocks at table positions `needed` to `peer`'s data port
+        (`streams_to` it); `LayerStream.run` sends it."""
+        assert peer.tcp_port is not None
+        shape = engine.kv_blocks_shape(len(needed))
+        header = TransferHeader(peer.tcp_token, req_id, attempt, self.worker_id, len(needed), num_bytes(shape, engine.kv_dtype),
+                                num_layers=shape[1])
+        return self.layer_stream(peer.tcp_host, peer.tcp_port, header, needed, engine.block_size, engine.kv_layer_views,
+                           self.settings.handoff_timeout_s)
 
     def _reaches_by_tcp(self, peer: KVPeer) -> bool:
         return self.speaks_tcp and peer.tcp_port is not None and bool(peer.tcp_host) and bool(peer.tcp_token)

@@ -11,7 +11,8 @@ prefill worker's pool blocks and land in the decode worker's reserved ones).
       <--------------------------------------------- frame {ok}: every byte landed (`settle`) | {error}
 
 A frame is a u32 LE length and a msgpack map. The bytes are those of `Engine.read_blocks`, in
-its order. Each end runs its socket on a helper thread under one deadline for the whole
+its order; or, where the header says `num_layers`, frames of one layer's blocks each, in any order
+(`recv_layers`, sent by tcp_layers.py while the prefill computes them). Each end runs its socket on a helper thread under one deadline for the whole
 transfer (`timeout_s`), so a stalled or dead peer ends it within that bound. The receiver only
 reports that the bytes landed; the decode worker commits the blocks on the KVReady that the
 prefill worker sends after the last frame, so a half-written block never joins a step.
@@ -52,6 +53,7 @@ class TransferHeader:
     prefill_id: str
     num_blocks: int
     num_bytes: int
+    num_layers: int = 0  # > 0: the bytes come layer by layer, in frames (tcp_layers.py)
 
     @classmethod
     def from_frame(cls, body: dict[str, Any]) -> TransferHeader:
@@ -59,7 +61,7 @@ class TransferHeader:
             return cls(
                 token=str(body["token"]), req_id=str(body["req_id"]), attempt=int(body["attempt"]),
                 prefill_id=str(body["prefill_id"]), num_blocks=int(body["num_blocks"]),
-                num_bytes=int(body["num_bytes"]),
+                num_bytes=int(body["num_bytes"]), num_layers=int(body.get("num_layers", 0)),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise KVTransferError(f"malformed KV transfer header: {e!r}") from e
@@ -115,6 +117,36 @@ def recv_into_views(sock: socket.socket, views: list[memoryview], deadline: floa
         i, offset = _advance(views, i, offset, received)
 
 
+def recv_layers(sock: socket.socket, views: list[memoryview], num_layers: int, idle_s: float) -> None:
+    """Fill `views` (per block, per layer, K then V: `Engine.kv_block_views`' order) from frames
+    {layer, first, count} each followed by those blocks' K and V bytes of that layer, in any
+    order, each block of each layer once; {wait} frames only say the sender is alive. The peer
+    may be silent at most `idle_s` at a time: a long prefill sends as it computes."""
+    per_block = 2 * num_layers
+    num_blocks, leftover = divmod(len(views), per_block)
+    if leftover:
+        raise KVTransferError(f"{len(views)} pieces of memory cannot hold whole blocks of {num_layers} layers")
+    landed = [bytearray(num_blocks) for _ in range(num_layers)]
+    remaining = num_blocks * num_layers
+    while remaining:
+        deadline = time.monotonic() + idle_s
+        frame = recv_frame(sock, deadline)
+        if frame.get("wait") is True:
+            continue
+        try:
+            layer, first, count = int(frame["layer"]), int(frame["first"]), int(frame["count"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError(f"malformed KV layer frame {frame!r}: {e!r}") from e
+        if not (0 <= layer < num_layers and 0 <= first and 0 < count and first + count <= num_blocks):
+            raise KVTransferError(f"KV layer frame {frame!r} is outside {num_blocks} blocks of {num_layers} layers")
+        if any(landed[layer][first : first + count]):
+            raise KVTransferError(f"blocks {first}-{first + count - 1} of layer {layer} were sent twice")
+        blocks = range(first, first + count)
+        recv_into_views(sock, [views[b * per_block + 2 * layer + kv] for b in blocks for kv in (0, 1)], deadline)
+        landed[layer][first : first + count] = b"\x01" * count
+        remaining -= count
+
+
 def send_frame(sock: socket.socket, body: dict[str, Any], deadline: float) -> None:
     data = msgpack.packb(body)
     send_views(sock, [memoryview(len(data).to_bytes(4, "little") + data)], deadline)
@@ -137,12 +169,12 @@ def recv_frame(sock: socket.socket, deadline: float) -> dict[str, Any]:
     return body
 
 
-def _expect_ok(body: dict[str, Any], what: str) -> None:
+def expect_ok(body: dict[str, Any], what: str) -> None:
     if body.get("ok") is not True:
         raise KVTransferError(f"{what}: {body.get('error', body)}")
 
 
-def _shut(sock: socket.socket) -> None:
+def shut_down(sock: socket.socket) -> None:
     """End a connection that a helper thread may be blocked on (closing it would not wake it)."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -150,7 +182,7 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
@@ -167,11 +199,11 @@ class TcpSender:
         where = f"{host}:{port}"
         try:
             with socket.create_connection((host, port), timeout=timeout_s) as sock:
-                _tune(sock)
+                tune(sock)
                 send_frame(sock, asdict(header), deadline)
-                _expect_ok(recv_frame(sock, deadline), f"{where} refused the KV of {header.req_id}")
+                expect_ok(recv_frame(sock, deadline), f"{where} refused the KV of {header.req_id}")
                 self._send_payload(sock, views, deadline)
-                _expect_ok(recv_frame(sock, deadline), f"{where} did not take the KV of {header.req_id}")
+                expect_ok(recv_frame(sock, deadline), f"{where} did not take the KV of {header.req_id}")
         except (OSError, KVTransferError) as e:
             raise KVTransferError(f"KV transfer of {header.req_id} to {where} failed: {e}") from e
 
@@ -215,7 +247,7 @@ class TcpReceiver:
             self._listener.close()
         self._receiving.clear()
         for conn in list(self._started):
-            _shut(conn)
+            shut_down(conn)
         # the helper threads end once their sockets are shut; none may outlive the loop they call into
         await asyncio.gather(*self._started.values(), *self._connections, return_exceptions=True)
 
@@ -224,7 +256,7 @@ class TcpReceiver:
         if receiving is None:
             return
         conn, done = receiving
-        _shut(conn)
+        shut_down(conn)
         await asyncio.wait([done])
 
     async def _accept_loop(self) -> None:
@@ -246,7 +278,7 @@ class TcpReceiver:
                 logger.warning("refused a KV connection from %s: no live worker's heartbeat names that address", host)
                 return
             conn.setblocking(True)
-            _tune(conn)
+            tune(conn)
             done: asyncio.Future[None] = asyncio.ensure_future(asyncio.to_thread(self._receive, conn, host))
             self._started[conn] = done  # before the thread runs: it starts at the loop's next turn
             try:
@@ -268,16 +300,22 @@ class TcpReceiver:
         error: str | None = None
         try:
             send_frame(conn, {"ok": True}, deadline)
-            self._recv_payload(conn, views, deadline)
+            self._recv_payload(conn, header, views, deadline)
         except (OSError, KVTransferError) as e:
             error = str(e) or type(e).__name__
         self._on_loop(self._settle(header, error))
         if error is not None:
             raise KVTransferError(f"KV of {header.req_id}: {error}")
-        send_frame(conn, {"ok": True}, deadline)
+        send_frame(conn, {"ok": True}, time.monotonic() + self.timeout_s)
 
-    def _recv_payload(self, conn: socket.socket, views: list[memoryview], deadline: float) -> None:
-        recv_into_views(conn, views, deadline)
+    def _recv_payload(self, conn: socket.socket, header: TransferHeader, views: list[memoryview],
+                      deadline: float) -> None:
+        """The bytes, under one deadline for the whole, or with a layered header (tcp_layers.py)
+        under a bound on each silence, since they come as the prefill computes them."""
+        if header.num_layers:
+            recv_layers(conn, views, header.num_layers, self.timeout_s)
+        else:
+            recv_into_views(conn, views, deadline)
 
     async def _claim(self, header: TransferHeader, host: str, conn: socket.socket) -> list[memoryview]:
         views = await self.claim(header, host)

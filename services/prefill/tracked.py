@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.kv_transfer import KVPeer
-from shared.engine.engine import Handoff
+from services.kv_transfer.tcp_layers import LayerStream
+from shared.engine.engine import Handoff, RequestOutput
 from shared.protocol import GenerateRequest
 
 MIB = 2**20
@@ -54,6 +55,9 @@ class Tracked:
     peer: KVPeer | None = None  # how to reach it with the KV: its heartbeat's and its accept's KV fields
     cancelled: bool = False
     handoff: asyncio.Task[None] | None = None
+    first: RequestOutput | None = None  # what its prefill step gave: the first token
+    prefill_over: asyncio.Event = field(default_factory=asyncio.Event)  # `first` is in, or it was cancelled
+    kv_stream: LayerStream | None = None  # its KV going layer by layer while it prefills
     # taken on the engine thread right after the step that finished its prefill
     export: Handoff | None = None
     kv_block_ids: list[int] | None = None

@@ -7,6 +7,10 @@ to a decode worker.
                                            |
                     KV bytes (services/kv_transfer) + KVReady --> decode inbox; release; XACK
 
+A long prompt (kv_stream_min_tokens) for a decode worker reached over the data port is offered
+before its prefill, and its KV sent layer by layer as the engine computes it
+(services/kv_transfer/tcp_layers.py); the first token follows with KVReady. Should no such worker
+take it, or its stream fail, the handoff waits for the prefill and goes the usual way.
 A direct (TCP) transfer that fails, because the decode worker died, stalled or refused it, is
 offered to another decode worker (MAX_PLACEMENTS in all). A request's entry is acknowledged only
 once it finished here or its handoff is complete, so the entries of a worker that dies stay
@@ -28,7 +32,8 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from services.intake import add_to_engine, finish_early, refusal
-from services.kv_transfer import KVPeer, KVSource, KVTransferError
+from services.kv_transfer import TCP_SCHEME, KVPeer, KVSource, KVTransferError
+from services.kv_transfer.tcp_layers import LayerStreams
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
 from services.prefill.tracked import MIB, Tally, Tracked, entry_time
@@ -74,6 +79,8 @@ class PrefillWorker(Worker):
         self.routed_stream = self.keys.routed_requests(self.worker_id)
         self._handed_off: OrderedDict[str, str] = OrderedDict()  # req_id -> decode_id, to forward late cancels
         self._tally = Tally()
+        self.layer_streams = LayerStreams()
+        self.engine.after_layer = self.layer_streams.after_layer
 
     async def setup(self) -> None:
         await super().setup()
@@ -164,6 +171,9 @@ class PrefillWorker(Worker):
         self._tracked[msg.req_id] = tracked
         logger.debug("admitted %s (%d prompt tokens, attempt %d)", msg.req_id, tracked.num_prefill_tokens, msg.attempt)
         self.wake_engine()
+        min_tokens = self.settings.worker.kv_stream_min_tokens
+        if self.kv.streams_layers and 0 < min_tokens <= tracked.num_prefill_tokens:
+            tracked.handoff = self.spawn(self._hand_off(tracked))  # to stream its KV while it prefills
 
     async def _finish_early(self, tracked: Tracked, finish_reason: str, error: str | None) -> None:
         await finish_early(self, tracked.msg, tracked.stream, tracked.entry_id, finish_reason, error)
@@ -245,9 +255,13 @@ class PrefillWorker(Worker):
         # the first token goes out before the handoff starts: TTFT does not wait for decode
         await self.send_many([(self.keys.replies(g), TokenBatch(u)) for g, u in batches.items()])
         for t, out in emitted:
-            if out.is_finished or t.cancelled:
+            t.first = out
+            if t.handoff is not None:  # started at admission: it goes on from here
+                t.prefill_over.set()
+            elif out.is_finished or t.cancelled:
                 await self._forget(t, release=not out.is_finished)
             else:
+                t.prefill_over.set()
                 t.handoff = self.spawn(self._hand_off(t))
         self.capacity_changed.set()
 
@@ -283,8 +297,13 @@ class PrefillWorker(Worker):
 
     async def _hand_off(self, t: Tracked) -> None:
         try:
-            offer = await self._offer_message(t)
             failed: set[str] = set()  # decode workers a transfer of this request to failed
+            if t.first is None and await self._stream_while_prefilling(t, failed):
+                return
+            await t.prefill_over.wait()
+            if t.cancelled or t.first is None or t.first.is_finished:
+                return
+            offer = await self._offer_message(t)
             while True:
                 decode_id, needed = await self._place(t, offer, failed)
                 if decode_id is None or needed is None:
@@ -307,6 +326,93 @@ class PrefillWorker(Worker):
                 await self._fail(t, f"handoff failed: {e}")
         finally:
             await self._forget(t, release=True)
+
+    async def _stream_while_prefilling(self, t: Tracked, failed: set[str]) -> bool:
+        """Offer `t` before its prefill is over to a decode worker reached over the data port, and
+        stream its KV there layer by layer. False: no such worker took it, its prefill ended
+        first, or the stream failed (that worker is then in `failed`); the handoff goes on the
+        usual way once the prefill is over."""
+        offer = self._early_offer(t)
+        try:
+            statuses = await self.picker.candidates(offer.num_blocks, t.msg.decode_hint)
+        except REDIS_ERRORS as e:
+            logger.warning("not streaming the KV of %s: listing decode workers failed (%s)", t.req_id, e)
+            return False
+        for status in statuses:
+            if t.prefill_over.is_set():
+                return False
+            if not self.kv.streams_to(status):
+                continue
+            try:
+                needed = await self._offer(t, offer, status)
+            except HandoffRefused:
+                continue  # the usual handoff reports why, should every worker refuse
+            if needed is None:
+                continue
+            if t.cancelled:  # while the accept was on its way: that worker holds blocks for nothing
+                await self.send(self.keys.inbox(status.worker_id), Cancel(t.req_id, "cancelled", t.msg.attempt))
+                return True
+            try:
+                await self._stream(t, status.worker_id, needed)
+            except KVTransferError as e:
+                if t.cancelled:
+                    return True
+                failed.add(status.worker_id)
+                await self._transfer_failed(t, status.worker_id, e)
+                return False
+            return True
+        return False
+
+    def _early_offer(self, t: Tracked) -> HandoffOffer:
+        """An offer of `t` before its prefill: blocks for every token it computes, the first token to follow."""
+        engine = self.engine.engine
+        return HandoffOffer(
+            req_id=t.req_id, attempt=t.msg.attempt, gateway_id=t.msg.gateway_id, prefill_id=self.worker_id,
+            prompt_token_ids=t.msg.prompt_token_ids, output_token_ids=t.msg.output_token_ids, output_logprobs=[],
+            output_top_logprobs=[], params=t.msg.params, seed=t.msg.seed, num_cached_tokens=0,
+            num_blocks=-(-t.num_prefill_tokens // engine.block_size), deadline=t.msg.deadline,
+            kv_cache_dtype=engine.kv_format.name, first_token_pending=True,
+        )
+
+    async def _stream(self, t: Tracked, decode_id: str, needed: list[int]) -> None:
+        """Send the blocks at table positions `needed` to `decode_id` as the prefill computes
+        them, then KVReady with the first token. Raises KVTransferError if the stream fails."""
+        assert t.peer is not None
+        stream = self.kv.stream(t.req_id, t.msg.attempt, t.peer, needed, self.engine.engine) if needed else None
+        sending = None
+        if stream is not None:
+            t.kv_stream = stream
+            self.layer_streams.add(t.req_id, stream)
+            sending = asyncio.ensure_future(stream.run())
+        over = asyncio.ensure_future(t.prefill_over.wait())
+        try:
+            await asyncio.wait([over] if sending is None else [over, sending], return_when=asyncio.FIRST_COMPLETED)
+            if sending is not None and sending.done():
+                sending.result()  # failed: raises; else every block landed before the first token was out
+            await over
+            if t.cancelled:
+                return  # the cancel went to the decode worker too
+            assert t.first is not None
+            if t.first.is_finished:  # the first token ended it: that worker holds blocks for nothing
+                await self.send(self.keys.inbox(decode_id), Cancel(t.req_id, "finished at its first token", t.msg.attempt))
+                return
+            if stream is not None and sending is not None:
+                assert t.kv_block_ids is not None
+                stream.finish(t.kv_block_ids)
+                await sending
+        finally:
+            over.cancel()
+            self.layer_streams.remove(t.req_id)
+            t.kv_stream = None
+            if stream is not None and sending is not None and not sending.done():
+                stream.abort("the handoff ended")
+                with contextlib.suppress(KVTransferError):
+                    await sending
+        location = "" if stream is None else f"{TCP_SCHEME}{t.peer.tcp_host}:{t.peer.tcp_port}"
+        num_bytes = 0 if stream is None else stream.header.num_bytes
+        await self._announce(t, decode_id, needed, location, num_bytes, with_first_token=True)
+        if stream is not None:
+            self.metrics.handoffs_streamed.inc()
 
     async def _offer_message(self, t: Tracked) -> HandoffOffer:
         h = t.export
@@ -413,12 +519,26 @@ class PrefillWorker(Worker):
         if t.cancelled:  # the Cancel was forwarded to the decode worker, which dropped its reservation
             await self.kv.discard(location)
             return
+        await self._announce(t, decode_id, needed, location, num_bytes)
+
+    async def _announce(self, t: Tracked, decode_id: str, needed: list[int], location: str, num_bytes: int,
+                        with_first_token: bool = False) -> None:
+        """The KV is at `location`: tell the decode worker (with the first token, where the offer
+        came before it), and the gateway who holds the request now."""
+        ready = KVReady(t.req_id, t.msg.attempt, needed, location, num_bytes)
+        if with_first_token:
+            first = t.first
+            assert first is not None
+            ready.first_token_ids, ready.num_cached_tokens = first.new_token_ids, first.num_cached_tokens
+            ready.first_logprobs = first.new_logprobs
+            if first.new_top_logprobs is not None:
+                ready.first_top_logprobs = [[[tid, lp] for tid, lp in row] for row in first.new_top_logprobs]
         # the update names the new holder, so the gateway can re-run the request should that worker die
         holder = TokenUpdate(
             req_id=t.req_id, attempt=t.msg.attempt, index=t.first_index + 1, token_ids=[], worker_id=decode_id
         )
         await self.send_many([
-            (self.keys.inbox(decode_id), KVReady(t.req_id, t.msg.attempt, needed, location, num_bytes)),
+            (self.keys.inbox(decode_id), ready),
             (self.keys.replies(t.msg.gateway_id), TokenBatch([holder])),
         ])
         self._remember_handoff(t.req_id, decode_id)
@@ -498,6 +618,9 @@ class PrefillWorker(Worker):
     async def _cancel(self, t: Tracked, reason: str) -> None:
         logger.info("cancelling %s: %s", t.req_id, reason)
         t.cancelled = True
+        if t.kv_stream is not None:  # before its blocks are freed
+            t.kv_stream.abort(f"cancelled: {reason}")
+        t.prefill_over.set()
         if t.decode_id is not None:
             await self.send(self.keys.inbox(t.decode_id), Cancel(t.req_id, reason, t.msg.attempt))
         if t.prefilled_at is None:  # still in the engine: free its blocks now

@@ -18,7 +18,7 @@ from kernels.kv_quant import KVFormat, kv_format
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shared.engine.structured import GrammarMatcher, Grammars
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
@@ -68,6 +68,9 @@ class Handoff:
     seed: int
     num_cached_tokens: int
     num_blocks: int
+    # offered before the prefill sampled: every token's KV comes, and the first sampled token
+    # follows with `add_first_token` (a prefill worker that streams KV while it prefills)
+    first_token_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -153,6 +156,8 @@ class Engine:
         self._rng = random.Random()
         self._grammars: Grammars | None = None  # loaded with the first constrained request
         self.num_steps = 0
+        # the plan whose forward pass runs now: a hook between layers reads what each request computes
+        self.step_plan: ScheduledBatch | None = None
 
     @property
     def device(self) -> torch.device:
@@ -245,7 +250,11 @@ class Engine:
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        result = self.runner.execute(plan)
+        self.step_plan = plan
+        try:
+            result = self.runner.execute(plan)
+        finally:
+            self.step_plan = None
         with record_function(PHASE_UPDATE):
             sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
@@ -322,6 +331,11 @@ class Engine:
         `read_blocks` and `write_blocks`."""
         return self.runner.block_views(block_ids)
 
+    def kv_layer_views(self, block_ids: list[int], layer: int) -> list[memoryview] | None:
+        """One layer's share of `kv_block_views`: each block's K then V bytes of `layer`, so a
+        transport can send a layer as soon as a step has computed it (while later layers run)."""
+        return self.runner.layer_views(block_ids, layer)
+
     def kv_pool_view(self) -> memoryview | None:
         """The whole pool's bytes as one view (None where the pool is not in host memory), for a
         transport that registers the pool's memory once (NIXL); `kv_block_views` are inside it."""
@@ -375,7 +389,8 @@ class Engine:
             num_cached_tokens=handoff.num_cached_tokens,
             grammar=self._grammar_for(handoff.params, handoff.output_token_ids),
         )
-        num_kv_tokens = req.num_tokens - 1  # the last sampled token's KV is computed here, on the next step
+        # the last sampled token's KV is computed here, on the next step
+        num_kv_tokens = req.num_tokens - (0 if handoff.first_token_pending else 1)
         cached = self.kv_cache.find_cached_prefix(req)[: num_kv_tokens // self.block_size]
         num_new = num_kv_tokens - len(cached) * self.block_size
         if not self.kv_cache.allocate_slots(req, num_new, cached):
@@ -401,6 +416,15 @@ class Engine:
         the request while the write runs, or the blocks could be handed to another request.
         """
         self.runner.write_blocks(block_ids, data)
+
+    def add_first_token(
+        self, req_id: str, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None,
+        num_cached_tokens: int,
+    ) -> None:
+        """The token the prefill sampled, for a request reserved with `first_token_pending`."""
+        req = self._importing[ReqId(req_id)]
+        req.append_output(token_id, logprob, top)
+        req.num_cached_tokens = num_cached_tokens
 
     def commit_import(self, req_id: str) -> None:
         """The KV bytes are in place: the request joins the batch at the next step."""

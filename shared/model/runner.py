@@ -194,6 +194,16 @@ class ModelRunner:
                   for block in block_ids for layer_kv in range(num_layers * 2)]
         return [flat[start : start + segment] for start in starts]
 
+    def layer_views(self, block_ids: list[int], layer: int) -> list[memoryview] | None:
+        """Of `block_views`, only `layer`'s: per block its K then its V bytes."""
+        if self.device.type != "cpu":
+            return None
+        num_layers, _, num_pool_blocks = self.kv_cache.shape[:3]
+        flat = memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
+        segment = len(flat) // (num_layers * 2 * num_pool_blocks)
+        starts = [((layer * 2 + kv) * num_pool_blocks + block) * segment for block in block_ids for kv in (0, 1)]
+        return [flat[start : start + segment] for start in starts]
+
     def pool_view(self) -> memoryview | None:
         """The whole pool's bytes, writable; None where it is not in host memory."""
         if self.device.type != "cpu":

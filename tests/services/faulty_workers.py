@@ -10,8 +10,9 @@ importing it (the prefill worker has named it as the holder). Its KV pool is twi
 LLMD_KV_CACHE__MEMORY_BYTES, so a prefill worker, which offers to the most free blocks first,
 picks it over a normal decode worker; so is the pool of every faulty decode worker.
 
-Over the data port (services/kv_transfer/tcp.py), with half of a transfer's bytes sent:
-prefill-dies-mid-transfer and decode-dies-mid-transfer SIGKILL themselves;
+Over the data port (services/kv_transfer/tcp.py), with half of a transfer's bytes sent (for a
+layer-by-layer stream, tcp_layers.py: half of the layers sent, or the first layer's blocks
+received): prefill-dies-mid-transfer and decode-dies-mid-transfer SIGKILL themselves;
 prefill-stalls-mid-transfer sends nothing more until the decode worker gives up and closes the
 connection, once (its later transfers are normal).
 
@@ -30,7 +31,8 @@ from typing import NoReturn
 
 from services.decode.worker import DecodeWorker
 from services.kv_transfer import KVTransferError
-from services.kv_transfer.tcp import TcpSender, recv_into_views, send_views
+from services.kv_transfer.tcp import TcpSender, TransferHeader, recv_frame, recv_into_views, send_views
+from services.kv_transfer.tcp_layers import LayerStream
 from services.prefill.tracked import Tracked
 from services.prefill.worker import PrefillWorker
 from services.worker_base import Worker, main
@@ -88,10 +90,18 @@ class StallsMidSendOnce(TcpSender):
         raise KVTransferError("stalled on purpose (tests/services/faulty_workers.py)")
 
 
+class DiesMidStream(LayerStream):
+    def _send_layer(self, sock: socket.socket, layer: int, first: int, block_ids: list[int], deadline: float) -> None:
+        if layer >= self.header.num_layers // 2:
+            die()
+        super()._send_layer(sock, layer, first, block_ids, deadline)
+
+
 class PrefillDiesMidTransfer(PrefillWorker):
     def __init__(self, settings: WorkerServiceSettings) -> None:
         super().__init__(settings)
         self.kv.sender = DiesMidSend()
+        self.kv.layer_stream = DiesMidStream
 
 
 class PrefillStallsMidTransfer(PrefillWorker):
@@ -107,8 +117,14 @@ class DecodeDiesMidTransfer(PreferredDecode):
         self.kv.receiver._recv_payload = self._recv_half_and_die  # type: ignore[method-assign]
 
     @staticmethod
-    def _recv_half_and_die(sock: socket.socket, views: list[memoryview], deadline: float) -> None:
-        recv_into_views(sock, half(views), deadline)
+    def _recv_half_and_die(sock: socket.socket, header: TransferHeader, views: list[memoryview],
+                           deadline: float) -> None:
+        if not header.num_layers:
+            recv_into_views(sock, half(views), deadline)
+            die()
+        while recv_frame(sock, deadline).get("wait"):  # a layered stream: die once its first blocks come
+            pass
+        recv_into_views(sock, views[:1], deadline)
         die()
 
 

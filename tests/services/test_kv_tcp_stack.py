@@ -1,12 +1,14 @@
 """KV over the data port between workers that cannot see each other's tmpfs (each role has a
 directory of its own: two hosts, simulated), with real processes, the real model and Redis:
 
-- greedy tokens equal the single engine's, and Redis carried no KV bytes;
+- greedy tokens equal the single engine's, and Redis carried no KV bytes; a long prompt's KV goes
+  layer by layer while it prefills;
 - a prefill worker SIGKILLed mid-transfer: the decode worker frees the reservation at once and
   another prefill worker re-runs the request;
 - a decode worker SIGKILLed mid-transfer: the prefill worker offers the request to another one;
 - a transfer that stalls: the decode worker gives up within handoff_timeout_s, the prefill
   worker offers the request elsewhere;
+- either worker SIGKILLed mid-way through a layer-by-layer stream: the same;
 - a peer with a wrong token, sender or sizes, or from an address no heartbeat names, writes nothing.
 
 Every request ends with the fault-free text, and nothing is left held or pending.
@@ -45,6 +47,12 @@ FAULTY = "tests.services.faulty_workers"
 HANDOFF_TIMEOUT_S = 3  # above the heartbeat TTL, as in test_fault_handoff.py
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FAILURES = "llmd_handoff_failures_total"
+STREAMED = "llmd_handoffs_streamed_total"
+STREAM_MIN_TOKENS = 200  # of the prompts below, those of 300 tokens stream; PROMPT does not
+
+
+def long_prompt(seed: int) -> list[int]:
+    return [(seed * 7919 + j * 104729) % 49000 + 50 for j in range(300)]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {
         "LLMD_KV_CACHE__MEMORY_BYTES": str(32 * 2**20), **FAST_HEARTBEAT,
         "LLMD_WORKER__HANDOFF_TIMEOUT_S": str(HANDOFF_TIMEOUT_S), "LLMD_WORKER__KV_TRANSPORT": "tcp",  # not NIXL
+        "LLMD_WORKER__KV_STREAM_MIN_TOKENS": str(STREAM_MIN_TOKENS),
     }  # fmt: skip
     apart = {role: {"LLMD_WORKER__KV_SHM_DIR": str(tmp_path_factory.mktemp(f"shm-{role}"))} for role in ("prefill", "decode")}
     with running_stack("kv-tcp", env, num_prefill=1, num_decode=2, role_env=apart) as stack:
@@ -73,7 +82,8 @@ async def assert_greedy_tokens_only_through(
     transport: str, stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
 ) -> None:
     """Prompts of 1-19 blocks end with the single engine's greedy tokens, every KV byte through `transport`."""
-    prompts = [[(i * 7919 + j * 104729) % 49000 + 50 for j in range(n)] for i, n in enumerate((7, 40, 300))]
+    prompts = [[(i * 7919 + j * 104729) % 49000 + 50 for j in range(n)] for i, n in enumerate((7, 40))]
+    prompts.append(long_prompt(2))
     for i, p in enumerate(prompts):
         await gateway.submit(f"{transport}-{i}", p, GREEDY)
 
@@ -90,7 +100,9 @@ async def test_greedy_tokens_over_the_data_port_equal_the_single_engine(
 ) -> None:
     statuses = await gateway.workers("decode")
     assert all(s.kv_port and s.kv_host == "127.0.0.1" and s.kv_transports == ["tcp", "redis"] for s in statuses)
+    streamed = sum(prefill_metric(rds, stack.keys, STREAMED).values())
     await assert_greedy_tokens_only_through("tcp", stack, gateway, loaded_model, rds)
+    assert sum(prefill_metric(rds, stack.keys, STREAMED).values()) == streamed + 1  # the 300-token prompt
 
 
 def normal_prefill_workers(stack: Stack) -> list[str]:
@@ -160,6 +172,45 @@ def test_a_stalled_transfer_is_given_up_within_the_handoff_timeout_and_offered_e
     assert stack.exited() == {}
     stack.add_worker("prefill")
     only(stack, normal_prefill_workers(stack)[-1])
+
+
+async def test_a_prefill_worker_killed_mid_stream_leaves_nothing_held_and_is_replaced(
+    stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
+) -> None:
+    faulty = stack.add_worker("prefill", module=[FAULTY, "prefill-dies-mid-transfer"])
+    await asyncio.to_thread(only, stack, faulty)
+    prompt = long_prompt(11)
+    await gateway.submit("stream-prefill-dies", prompt, GREEDY)
+
+    await asyncio.to_thread(until_killed, stack, faulty)  # half of the layers sent
+    await asyncio.to_thread(until, lambda: decode_pool_empty(rds, stack), "the decode worker to free the blocks")
+    stack.add_worker("prefill")  # claims the dead worker's pending request and runs it again
+
+    reply = (await gateway.finish("stream-prefill-dies"))["stream-prefill-dies"]
+    assert reply.token_ids == offline_greedy(loaded_model, [prompt], GREEDY)[0]
+    assert sum(prefill_metric(rds, stack.keys, STREAMED).values()) >= 1  # the new worker streamed it
+    await gateway.until_all_blocks_free()
+    assert_clean(rds, stack.keys)
+    assert stack.exited() == {}
+
+
+async def test_a_decode_worker_killed_mid_stream_has_the_request_offered_to_another(
+    stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
+) -> None:
+    faulty = stack.add_worker("decode", module=[FAULTY, "decode-dies-mid-transfer"])
+    failures = sum(prefill_metric(rds, stack.keys, FAILURES).values())
+    prompt = long_prompt(12)
+
+    await gateway.submit("stream-decode-dies", prompt, GREEDY)
+    reply = (await gateway.finish("stream-decode-dies"))["stream-decode-dies"]
+
+    assert reply.token_ids == offline_greedy(loaded_model, [prompt], GREEDY)[0]
+    assert sum(prefill_metric(rds, stack.keys, FAILURES).values()) == failures + 1
+    await asyncio.to_thread(until_killed, stack, faulty)
+    await asyncio.to_thread(until, lambda: faulty not in [s.worker_id for s in live_decode(rds, stack.keys)],
+                            f"{faulty}'s heartbeat to lapse")
+    assert_clean(rds, stack.keys)
+    assert stack.exited() == {}
 
 
 def transfer(port: int, header: TransferHeader, source: str = "127.0.0.1") -> dict[str, object]:
