@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shared.engine.constraint import GrammarError, StructuredSpec
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, Handoff
+from shared.engine.request import ReqId
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.model.loader import LoadedModel
@@ -137,6 +138,34 @@ def test_split_across_prefill_and_decode_engines_matches_one_engine(
     assert decode.import_handoff(handoff, prefill.read_kv_blocks("split", list(range(handoff.num_blocks))))
     prefill.release("split")
     output = list(handoff.output_token_ids)
+    while decode.has_unfinished:
+        output += [t for out in decode.step() for t in out.new_token_ids]
+    assert output == expected
+
+
+def test_reserved_before_the_prefill_and_given_the_first_token_after_matches_one_engine(
+    engine: Engine, loaded_model: LoadedModel, prompt: list[int]
+) -> None:
+    """The order of a handoff streamed layer by layer: the decode engine reserves blocks for the
+    whole prompt first, the first token (which the grammar must accept) comes with the last byte."""
+    params = constrained(StructuredSpec("json_schema", json.dumps(PERSON)), seed=32)
+    [(expected, _)] = run(engine, {"alone": (prompt, params)}).values()
+    prefill, decode = make_engine(loaded_model), make_engine(loaded_model)
+    early = Handoff(ReqId("early"), list(prompt), [], [], [], params, seed=32, num_cached_tokens=0,
+                    num_blocks=-(-len(prompt) // decode.block_size), first_token_pending=True)
+    needed = decode.reserve_import(early)
+    assert needed == list(range(early.num_blocks))
+
+    prefill.add_request("early", prompt, params, stop_after_prefill=True)
+    outputs = []
+    while prefill.has_unfinished:
+        outputs += prefill.step()
+    [first] = outputs
+    decode.write_kv_blocks("early", needed, prefill.read_kv_blocks("early", needed))
+    decode.add_first_token("early", first.new_token_ids[0], None, None, first.num_cached_tokens)
+    decode.commit_import("early")
+    prefill.release("early")
+    output = list(first.new_token_ids)
     while decode.has_unfinished:
         output += [t for out in decode.step() for t in out.new_token_ids]
     assert output == expected
