@@ -171,9 +171,13 @@ class PrefillWorker(Worker):
         self._tracked[msg.req_id] = tracked
         logger.debug("admitted %s (%d prompt tokens, attempt %d)", msg.req_id, tracked.num_prefill_tokens, msg.attempt)
         self.wake_engine()
+        if self._streams_while_prefilling(tracked):
+            tracked.handoff = self.spawn(self._hand_off(tracked))
+
+    def _streams_while_prefilling(self, t: Tracked) -> bool:
+        """Whether `t`'s handoff starts now, to stream its KV layer by layer as the prefill runs."""
         min_tokens = self.settings.worker.kv_stream_min_tokens
-        if self.kv.streams_layers and 0 < min_tokens <= tracked.num_prefill_tokens:
-            tracked.handoff = self.spawn(self._hand_off(tracked))  # to stream its KV while it prefills
+        return self.stop_after_prefill and self.kv.streams_layers and 0 < min_tokens <= t.num_prefill_tokens
 
     async def _finish_early(self, tracked: Tracked, finish_reason: str, error: str | None) -> None:
         await finish_early(self, tracked.msg, tracked.stream, tracked.entry_id, finish_reason, error)
