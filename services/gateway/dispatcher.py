@@ -53,7 +53,8 @@ class Dispatcher:
             self._router.register(req)  # before the XADD, so no reply can arrive unrouted
             self._inflight[req.req_id] = req
         try:
-            await asyncio.gather(*(self._queue(req) for req in reqs))
+            for req in reqs:  # in order: a request's choices reach the workers first to last
+                await self._queue(req)
         except REDIS_ERRORS as e:
             for req in reqs:
                 self.release(req)
