@@ -69,11 +69,14 @@ class Router:
 
     async def route(self, token_ids: Sequence[int]) -> Route:
         """Where to send a request whose prompt (plus any tokens already generated) is `token_ids`."""
-        if not self.settings.enabled or not self.index.workers:
+        if self.settings.enabled and self.index.workers:
+            await self._refresh()
+        # read after the refresh, whose wait may have seen the index forget every worker that went away
+        indexed = list(self.index.workers.values())
+        if not self.settings.enabled or not indexed:
             route = Route(Choice("prefill", None, 0), Choice("decode", None, 0))
         else:
-            await self._refresh()
-            block_size = next(iter(self.index.workers.values())).block_size  # one model: one block size
+            block_size = indexed[0].block_size  # one model: one block size
             hashes = extend_block_hashes([], token_ids, block_size)
             decode, best_decode = self._choose_decode(hashes)
             local = self._local_route(best_decode, len(token_ids), block_size)

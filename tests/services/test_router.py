@@ -96,3 +96,17 @@ async def test_without_an_index_or_with_routing_off_everything_goes_by_load(bus:
     assert (await Router(bus, KVIndex(), RoutingSettings()).route(PROMPT)).prefill.worker_id is None
     route = await Router(bus, index, RoutingSettings(enabled=False)).route(PROMPT)
     assert (route.prefill.worker_id, route.decode.worker_id) == (None, None)
+
+
+async def test_an_index_that_forgets_every_worker_while_heartbeats_are_read_routes_by_load(bus: Bus) -> None:
+    index = await two_by_two(bus)
+    router = Router(bus, index, PREFILL_ROUTING)
+    live_workers = bus.live_workers
+
+    async def workers_gone_meanwhile(stage: str) -> list[WorkerStatus]:
+        index.clear()  # the KV feed dropped them all (a stack restarted on the same Redis)
+        return await live_workers(stage)
+
+    bus.live_workers = workers_gone_meanwhile  # type: ignore[method-assign]
+    route = await router.route(PROMPT)
+    assert (route.prefill, route.decode) == (Choice("prefill", None, 0), Choice("decode", None, 0))
