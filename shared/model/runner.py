@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,25 +184,22 @@ class ModelRunner:
         out (block, then layer, then K and V); None where the pool is not in host memory. A
         transport sends from them or receives into them with no copy; the rules of
         `Engine.read_blocks` and `Engine.write_blocks` apply."""
-        if self.device.type != "cpu":
+        return self._segments(block_ids, range(self.kv_cache.shape[0]))
+
+    def layer_views(self, block_ids: list[int], layer: int) -> list[memoryview] | None:
+        """Of `block_views`, only `layer`'s: per block its K then its V bytes."""
+        return self._segments(block_ids, (layer,))
+
+    def _segments(self, block_ids: list[int], layers: Sequence[int]) -> list[memoryview] | None:
+        flat = self.pool_view()
+        if flat is None:
             return None
         # pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: one block of one
         # layer's K or V is `segment` contiguous bytes
         num_layers, _, num_pool_blocks = self.kv_cache.shape[:3]
-        flat = memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
         segment = len(flat) // (num_layers * 2 * num_pool_blocks)
-        starts = [(layer_kv * num_pool_blocks + block) * segment
-                  for block in block_ids for layer_kv in range(num_layers * 2)]
-        return [flat[start : start + segment] for start in starts]
-
-    def layer_views(self, block_ids: list[int], layer: int) -> list[memoryview] | None:
-        """Of `block_views`, only `layer`'s: per block its K then its V bytes."""
-        if self.device.type != "cpu":
-            return None
-        num_layers, _, num_pool_blocks = self.kv_cache.shape[:3]
-        flat = memoryview(self.kv_cache.view(-1).view(torch.uint8).numpy())
-        segment = len(flat) // (num_layers * 2 * num_pool_blocks)
-        starts = [((layer * 2 + kv) * num_pool_blocks + block) * segment for block in block_ids for kv in (0, 1)]
+        starts = [((layer * 2 + kv) * num_pool_blocks + block) * segment
+                  for block in block_ids for layer in layers for kv in (0, 1)]
         return [flat[start : start + segment] for start in starts]
 
     def pool_view(self) -> memoryview | None:
