@@ -43,7 +43,8 @@ async def add_to_engine(worker: Worker, msg: GenerateRequest, stop_after_prefill
     """Queue `msg` in the worker's engine; the error a request the engine rejects gets, else None."""
     engine = worker.engine.engine
     try:
-        await worker.engine.call(
+        # at the step's next layer: a burst read in one batch is queued at once, not one request per step
+        await worker.engine.call_between_layers(
             engine.add_request, msg.req_id, msg.prompt_token_ids, msg.sampling_params, stop_after_prefill,
             msg.output_token_ids, msg.seed,
         )
