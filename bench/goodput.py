@@ -5,10 +5,12 @@ build, one server after the other.
     python -m bench.goodput [--rates 0.25,0.5,1,1.5,2] [--duration-s 60] [--vllm PYTHON]
         [--ttft-scale 5 --itl-scale 5 | --ttft-ms MS --itl-ms MS] [--itl-measure p90|mean]
 
-The targets scale with what the machine can do: before the sweep, the first server (this stack,
-disaggregated) answers a few median-length prompts one at a time, and the targets are
-`--ttft-scale` times their median time to first token and `--itl-scale` times their median gap
-between tokens, the same absolute targets for every server. On a GPU give them in ms instead.
+The targets scale with what the machine can do: before the sweep, this stack (disaggregated)
+answers a few median-length prompts one at a time, and the targets are `--ttft-scale` times their
+median time to first token and `--itl-scale` times their median gap between tokens, the same
+absolute targets for every server. On a GPU give them in ms instead. This stack's servers are
+given the targets (LLMD_TARGETS__*): its decode worker paces itself to the inter-token one while
+prompts are prefilled on its cores, unless --no-pacing.
 Per rate it prints the share of requests meeting the TTFT target, the inter-token target (each
 request's p90 gap by default; bench/serving/attainment.py) and both; the goodput is the highest
 rate up to which at least --share (90%) meet both. Writes bench/results/<name>.json and a plot of
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="share of requests that must meet both")
     parser.add_argument("--stop-below", type=float, default=0.5,
                         help="stop a server's sweep after a rate where fewer than this share met both")
+    parser.add_argument("--no-pacing", action="store_true",
+                        help="this stack's decode worker steps as fast as it can (LLMD_WORKER__PACE_DECODE=false)")
     parser.add_argument("--calibration-requests", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="goodput", help="results file name")
@@ -98,26 +103,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     servers = check_args(args, parser)
     vocab = vocab_ids(args.model)
-    starters: dict[str, Callable[[], AbstractContextManager[str]]] = {s: _stack_starter(s) for s in servers}
+    calibration: dict[str, float] = {}
+    if args.ttft_ms is None:
+        with _stack("disaggregated", {}) as base_url:
+            _warm_up(base_url, args, vocab)
+            calibration = calibrate(base_url, args, vocab)
+        targets = LatencyTargets(args.ttft_scale * calibration["ttft_ms"], args.itl_scale * calibration["itl_ms"],
+                                 args.itl_measure)
+        print(f"unloaded: TTFT {calibration['ttft_ms']:.0f} ms, step {calibration['itl_ms']:.0f} ms -> targets TTFT "
+              f"{targets.ttft_ms:.0f} ms, inter-token ({targets.itl_measure}) {targets.itl_ms:.0f} ms", file=sys.stderr)
+    else:
+        targets = LatencyTargets(args.ttft_ms, args.itl_ms, args.itl_measure)
+
+    env = {"LLMD_TARGETS__TTFT_MS": f"{targets.ttft_ms:g}", "LLMD_TARGETS__ITL_MS": f"{targets.itl_ms:g}",
+           "LLMD_WORKER__PACE_DECODE": str(not args.no_pacing).lower()}
+    starters: dict[str, Callable[[], AbstractContextManager[str]]] = {
+        mode: functools.partial(_stack, mode, env) for mode in servers}
     if args.vllm is not None:
         starters[f"vLLM CPU {vllm_version(args.vllm)}"] = lambda: vllm_server(args.vllm, args.model, args.vllm_kv_gib)
-
-    targets = None if args.ttft_ms is None else LatencyTargets(args.ttft_ms, args.itl_ms, args.itl_measure)
-    calibration: dict[str, float] = {}
     runs: dict[str, list[Attainment]] = {}
     for label, start in starters.items():
         with start() as base_url:
-            warm = warmup_requests(_workload(args, vocab, 1, args.seed), vocab, args.seed, 2)
-            run_load(base_url, warm, LoadSpec(max_concurrency=1, progress_interval_s=0))
-            if targets is None:
-                calibration = calibrate(base_url, args, vocab)
-                targets = LatencyTargets(args.ttft_scale * calibration["ttft_ms"],
-                                         args.itl_scale * calibration["itl_ms"], args.itl_measure)
-                print(f"unloaded on {label}: TTFT {calibration['ttft_ms']:.0f} ms, step {calibration['itl_ms']:.0f} "
-                      f"ms -> targets TTFT {targets.ttft_ms:.0f} ms, inter-token ({targets.itl_measure}) "
-                      f"{targets.itl_ms:.0f} ms", file=sys.stderr)
+            _warm_up(base_url, args, vocab)
             runs[label] = sweep(label, base_url, args, vocab, targets)
-    assert targets is not None
 
     print(report_table(runs, targets, args.share))
     document = {
@@ -132,16 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stack_starter(mode: str) -> Callable[[], AbstractContextManager[str]]:
-    @contextmanager
-    def start() -> Iterator[str]:
-        config = stack_config({}) if mode == "disaggregated" else dataclasses.replace(
-            stack_config({}, num_prefill=0, num_decode=0), num_colocated=1)
-        with Stack(config) as stack:
-            assert stack.base_url is not None
-            yield stack.base_url
+@contextmanager
+def _stack(mode: str, env: dict[str, str]) -> Iterator[str]:
+    config = stack_config(env) if mode == "disaggregated" else dataclasses.replace(
+        stack_config(env, num_prefill=0, num_decode=0), num_colocated=1)
+    with Stack(config) as stack:
+        assert stack.base_url is not None
+        yield stack.base_url
 
-    return start
+
+def _warm_up(base_url: str, args: argparse.Namespace, vocab: Any) -> None:
+    warm = warmup_requests(_workload(args, vocab, 1, args.seed), vocab, args.seed, 2)
+    run_load(base_url, warm, LoadSpec(max_concurrency=1, progress_interval_s=0))
 
 
 def _workload(args: argparse.Namespace, vocab: Any, num_prompts: int, seed: int) -> list[BenchRequest]:

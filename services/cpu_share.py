@@ -10,9 +10,13 @@ many threads it runs and whether it has work. A worker with work may run its fai
 cores (the cores over the number of workers with work, at least one) and, beyond that, whatever
 no one else holds. A worker that gets work while a neighbour runs on its share waits, before its
 step, until the neighbour gives the share back; the neighbour looks between its decoder layers,
-so the wait is at most one layer. Threads only ever grow at a step boundary and shrink at a
-layer boundary, never while an OpenMP team is running, so the workers' threads never add up to
-more than the cores (unless more workers have work than there are cores).
+so the wait is at most one layer. Threads change only at a step or a layer boundary, never while
+an OpenMP team is running, and grow only into cores no one holds, so the workers' threads never
+add up to more than the cores (unless more workers have work than there are cores).
+
+A worker may also lend its cores while it still has work (`lend`): a decode worker ahead of its
+inter-token target does, between its steps, so that a neighbour's prefill runs on every core until
+the next token is due (services/engine_thread.py paces it). The borrower grows at its next layer.
 
 Each worker holds an exclusive flock on its own file for its life; the kernel drops it when the
 process dies, however it dies, so a dead worker's threads stop counting at once. Updates go
@@ -28,6 +32,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -70,7 +75,8 @@ class _Peer:
 class CoreLease:
     """One worker's part in its host's core ledger. On the engine thread: `before_step()` before
     each engine step (it may wait for a neighbour to give cores back), `between_layers()` from the
-    model's layer loop, `after_call(has_work)` after each engine call; `leave()` when the worker stops."""
+    model's layer loop, `after_call(has_work)` after each engine call, `lend()` between steps;
+    `leave()` when the worker stops. `neighbour_has_work()` may be asked from any thread."""
 
     def __init__(
         self,
@@ -95,6 +101,8 @@ class CoreLease:
         self._guard = os.open(self.ledger / GUARD_NAME, os.O_RDWR | os.O_CREAT, 0o666)
         self.name = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._peers: dict[str, _Peer] = {}
+        # the flock excludes other processes only; this also keeps `_peers` whole for other threads
+        self._lock = threading.Lock()
         with self._guarded():  # created and locked at once: no one may take it for a dead worker's
             fd = os.open(self.ledger / self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,11 +113,12 @@ class CoreLease:
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
-        fcntl.flock(self._guard, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._guard, fcntl.LOCK_UN)
+        with self._lock:
+            fcntl.flock(self._guard, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._guard, fcntl.LOCK_UN)
 
     def _publish(self, threads: int, has_work: bool) -> None:
         SLOT.pack_into(self._own.view, 0, threads, int(has_work))
@@ -147,6 +156,13 @@ class CoreLease:
     def fair_share(self, num_with_work: int) -> int:
         return max(1, self.num_cores // max(1, num_with_work))
 
+    def _wanted(self, peers: list[tuple[int, bool]]) -> tuple[int, int, int]:
+        """(threads this worker may want, cores free of everyone else's claims, its fair share)."""
+        fair = self.fair_share(1 + sum(has_work for _, has_work in peers))
+        # a neighbour with work has its fair share set aside even while it waits for it
+        free = self.num_cores - sum(max(threads, fair) if has_work else threads for threads, has_work in peers)
+        return min(self.max_threads, max(fair, free)), free, fair
+
     def before_step(self) -> int:
         """Take this step's threads: the fair share at least, more where no one else holds them.
         Waits while a neighbour runs on more than its fair share and too little is free (it gives
@@ -155,10 +171,7 @@ class CoreLease:
         while True:
             with self._guarded():
                 peers = self._live_peers()
-                fair = self.fair_share(1 + sum(has_work for _, has_work in peers))
-                # a neighbour with work has its fair share set aside even while it waits for it
-                free = self.num_cores - sum(max(threads, fair) if has_work else threads for threads, has_work in peers)
-                wanted = min(self.max_threads, max(fair, free))
+                wanted, free, fair = self._wanted(peers)
                 borrowed = any(threads > fair for threads, has_work in peers)
                 timed_out = time.monotonic() > deadline
                 if wanted <= free or not borrowed or timed_out:
@@ -173,14 +186,35 @@ class CoreLease:
         return wanted
 
     def between_layers(self) -> None:
-        """Gives cores beyond the fair share back as soon as another worker has work."""
-        if self.threads <= 1:
+        """Gives cores beyond the fair share back as soon as another worker has work, and takes
+        cores that a neighbour lent meanwhile (it went idle, or lends them between its steps)."""
+        if not self.threads:  # not within a step
             return
-        fair = self.fair_share(1 + sum(peer.read()[1] for peer in self._peers.values()))
+        peers = [peer.read() for peer in self._peers.values()]
+        wanted, free, fair = self._wanted(peers)
         if self.threads > fair:
+            threads = fair
+        elif self.threads < wanted <= free:
+            threads = wanted
+        else:
+            return
+        with self._guarded():
+            if threads > self.threads:  # read again under the guard: a neighbour may have claimed them since
+                threads = max(self.threads, min(threads, self._wanted(self._live_peers())[1]))
+            self._publish(threads, True)
+        self._use(threads)
+
+    def lend(self) -> None:
+        """Holds no cores until the next `before_step`, though this worker still has work: its
+        neighbours take them at their next layer."""
+        if self.threads or self.has_work:
             with self._guarded():
-                self._publish(fair, True)
-            self._use(fair)
+                self._publish(0, False)
+
+    def neighbour_has_work(self) -> bool:
+        """Whether another worker on these cores has work (and so a use for lent cores)."""
+        with self._lock:
+            return any(peer.read()[1] for peer in self._peers.values())
 
     def after_call(self, has_work: bool) -> None:
         """An engine left without work holds no cores until its next step."""

@@ -13,12 +13,15 @@ from typing import Any, TypeVar
 import torch
 
 from services.cpu_share import CoreLease
+from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput
 from shared.model.loader import load_model
 from shared.settings import WorkerServiceSettings
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+LEND_POLL_S = 0.002  # while lending, how often to look whether the neighbour still has work
 
 
 class EngineThread:
@@ -51,6 +54,8 @@ class EngineThread:
         # runs on the engine thread after each decoder layer of a step, with that layer's index (CPU only)
         self.after_layer: Callable[[Engine, int], None] | None = None
         self._layer = 0  # the next decoder layer of the step in progress
+        self._pacer: StepPacer | None = None
+        self.lent_s = 0.0  # seconds the engine lent its cores to a neighbour while it had work (pacing)
 
     @property
     def engine(self) -> Engine:
@@ -91,6 +96,14 @@ class EngineThread:
                 "LLMD_WORKER__CORE_LEASE_DIR at a tmpfs the host's workers share, or set "
                 "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, torch.get_num_threads(),
             )
+
+    def pace_to(self, itl_target_s: float) -> bool:
+        """Space steps as far apart as `itl_target_s` allows while a neighbour on the lease has work,
+        lending it the cores between them (services/pacing.py); False where there is no lease."""
+        if self._lease is None:
+            return False
+        self._pacer = StepPacer(itl_target_s)
+        return True
 
     @property
     def torch_threads(self) -> int | None:
@@ -146,7 +159,23 @@ class EngineThread:
     async def step(self, then: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One engine step; `then(outputs)` runs right after it on the engine thread, before any call
         queued meanwhile (which would otherwise wait for the next step)."""
+        if self._pacer is not None:
+            await self._lend_until_due(self._pacer)
+            self._pacer.woke(self._clock())  # from here: calls queued ahead of the step delay its tokens too
         return await self.call(self._step, then)
+
+    async def _lend_until_due(self, pacer: StepPacer) -> None:
+        # on the event loop, not the engine thread: calls (a commit, an abort) still run meanwhile
+        assert self._lease is not None
+        pause = pacer.pause_s(self._clock())
+        if not pause or not self._lease.neighbour_has_work():
+            return
+        await self.call(self._lease.lend)
+        lent_at = self._clock()
+        deadline = lent_at + pause
+        while (left := deadline - self._clock()) > 0 and self._lease.neighbour_has_work():
+            await asyncio.sleep(min(left, LEND_POLL_S))
+        self.lent_s += self._clock() - lent_at
 
     def _step(self, then: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         if self._lease is not None:
@@ -157,6 +186,8 @@ class EngineThread:
         self._stepped_at = self._clock()
         if self.engine.num_steps != num_steps:
             self.busy_s += self._stepped_at - started
+            if self._pacer is not None:
+                self._pacer.stepped(self._stepped_at)
         if then is not None and outputs:
             then(outputs)
         return outputs

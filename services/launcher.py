@@ -468,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_read_commands, args=(commands,), daemon=True, name="stdin").start()
         if args.planner:
             assert stack.redis_url is not None
-            planner = PlannerThread(stack.redis_url, stack.namespace, PlannerServiceSettings().planner,
-                                    args.planner_max_workers, commands.put)
+            planner_settings = PlannerServiceSettings()
+            planner = PlannerThread(stack.redis_url, stack.namespace, planner_settings.planner,
+                                    planner_settings.targets, args.planner_max_workers, commands.put)
             planner.start()
         return _watch(stack, stop, commands)
     except StackError as e:

@@ -157,6 +157,9 @@ class Worker:
     async def on_outputs(self, outputs: list[RequestOutput]) -> None:
         raise NotImplementedError
 
+    def engine_loaded(self) -> None:
+        """Called once the engine is loaded, before any work arrives."""
+
     def after_step_on_engine_thread(self, outputs: list[RequestOutput]) -> None:
         """Engine work for a step's outputs that must not wait for the next step; runs on the
         engine thread, before `on_outputs`."""
@@ -189,6 +192,7 @@ class Worker:
         logger.info("%s worker %s: loading %s", self.role, self.worker_id, self.settings.model.path)
         engine = await self.engine.load(self.settings)
         self.kv.use_pool(engine.kv_pool_view(), engine.kv_block_views)
+        self.engine_loaded()
         stats = self.engine.stats
         assert stats is not None
         threads = self.engine.torch_threads
@@ -472,6 +476,7 @@ class Worker:
             self.metrics.observe_engine(self.engine.stats)
         if (threads := self.engine.threads_now) is not None:
             self.metrics.torch_threads.set(threads)
+        self.metrics.observe_lent(self.engine.lent_s)
         return self.metrics.render(), self.metrics.content_type
 
 

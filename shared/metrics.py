@@ -72,7 +72,12 @@ class WorkerMetrics:
             "llmd_torch_threads", "Torch threads the engine steps on: its share of the host's core lease (0 while "
             "idle), or the fixed count."
         )
+        self.lent_seconds = counter(
+            "llmd_lent_seconds", "Seconds a decode worker with work lent its cores to a prefilling neighbour, "
+            "pacing its steps to the inter-token target (LLMD_WORKER__PACE_DECODE)."
+        )
         self._last_stats: EngineStats | None = None
+        self._lent_s = 0.0
 
     def observe_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -83,6 +88,10 @@ class WorkerMetrics:
         self.prefix_cache_hits.inc(stats.kv.prefix_hits - (last.kv.prefix_hits if last else 0))
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last_stats = stats
+
+    def observe_lent(self, total_s: float) -> None:
+        self.lent_seconds.inc(total_s - self._lent_s)
+        self._lent_s = total_s
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,11 +80,23 @@ class RedisSettings(BaseModel):
     socket_timeout_s: float = Field(5.0, gt=0, description="bound on one Redis call, so outages surface quickly")
 
 
+class LatencyTargetSettings(BaseModel):
+    """The latency a deployment promises its users. The pool planner sizes the prefill pool to the TTFT
+    target and the decode pool to the inter-token target; a CPU decode worker paces its steps to the
+    inter-token target while a neighbour on its cores prefills (`WorkerSettings.pace_decode`)."""
+
+    ttft_ms: float = Field(5000.0, gt=0, description="time to first token (default: about 5x an unloaded "
+                           "256-token prompt on a 2-core AVX2 CPU in float32)")
+    itl_ms: float = Field(200.0, gt=0, description="time between two tokens of one request (default: a chat "
+                          "user's reading pace, DistServe's chatbot target)")
+
+
 class _Base(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="ignore")
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     redis: RedisSettings = RedisSettings()
+    targets: LatencyTargetSettings = LatencyTargetSettings()
 
 
 class EngineServiceSettings(_Base):
@@ -168,6 +180,9 @@ class WorkerSettings(BaseModel):
     core_lease_dir: str = Field(
         "/dev/shm", description="directory (a tmpfs) shared by the workers of one host, holding their core lease"
     )
+    pace_decode: bool = Field(
+        True, description="a decode worker on a core lease spaces its steps as far apart as the inter-token "
+        "target allows (targets.itl_ms) while a neighbour has prompts to prefill, and lends it its cores between them")
     kv_events: KVEventSettings = KVEventSettings()
 
     @field_validator("cpus")
@@ -222,12 +237,8 @@ class RoutingSettings(BaseModel):
 
 
 class PlannerSettings(BaseModel):
-    """Targets and damping of the pool planner (services/pool_planner): it sizes the prefill pool to
-    the TTFT target and the decode pool to the inter-token target."""
+    """Damping of the pool planner (services/pool_planner), which sizes the pools to the latency targets."""
 
-    ttft_target_ms: float = Field(5000.0, gt=0, description="time to first token the prefill pool is sized for "
-                                  "(default: about 5x an unloaded 256-token prompt on a 2-core CPU)")
-    itl_target_ms: float = Field(500.0, gt=0, description="decode step time the decode pool is sized for")
     target_load: float = Field(0.8, gt=0, le=1, description="a pool whose load (share of its targets used) "
                                "stays above this gets a worker")
     low_load: float = Field(0.4, gt=0, lt=1, description="a pool gives a worker back when its load would stay "

@@ -122,6 +122,12 @@ class DecodeWorker(Worker):
         self.tally = Tally()
         self.kv.listen(self._is_kv_peer, self._claim_kv, self._kv_settled)
 
+    def engine_loaded(self) -> None:
+        targets = self.settings.targets
+        if self.settings.worker.pace_decode and self.engine.pace_to(targets.itl_ms / 1000):
+            logger.info("decode paced: while a neighbour on these cores prefills, tokens come up to %g ms apart "
+                        "(LLMD_TARGETS__ITL_MS) and the cores go to the prompts in between", targets.itl_ms)
+
     async def setup(self) -> None:
         await super().setup()
         await self.local.setup()

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from services.pool_planner.policy import PoolLoad, PoolPlanner
 from services.pool_planner.signals import LoadSignals
-from shared.settings import PlannerSettings, RedisSettings
+from shared.settings import LatencyTargetSettings, PlannerSettings, RedisSettings
 from shared.streams import Bus
 
 logger = logging.getLogger(__name__)
@@ -22,9 +22,10 @@ logger = logging.getLogger(__name__)
 PoolsHandler = Callable[[list[PoolLoad]], None]
 
 
-async def watch_pools(bus: Bus, settings: PlannerSettings, stop: asyncio.Event, on_pools: PoolsHandler) -> None:
+async def watch_pools(bus: Bus, settings: PlannerSettings, targets: LatencyTargetSettings, stop: asyncio.Event,
+                      on_pools: PoolsHandler) -> None:
     """Until `stop` is set; rides out Redis outages (nothing is handed on while the pools cannot be seen)."""
-    signals = LoadSignals(bus, settings)
+    signals = LoadSignals(bus, settings, targets)
     while not stop.is_set():
         try:
             pools = await signals.observe()
@@ -55,10 +56,11 @@ class PlannerThread:
     """`watch_pools` with `planning` on a thread of its own, for the launcher: decisions become
     scaling commands ('+decode'), which `on_command` queues for the thread that owns the workers."""
 
-    def __init__(self, redis_url: str, namespace: str, settings: PlannerSettings, max_workers: int,
-                 on_command: Callable[[str], None]) -> None:
+    def __init__(self, redis_url: str, namespace: str, settings: PlannerSettings, targets: LatencyTargetSettings,
+                 max_workers: int, on_command: Callable[[str], None]) -> None:
         self._redis = RedisSettings(url=redis_url, namespace=namespace)
         self._settings = settings
+        self._targets = targets
         self._on_pools = planning(settings, max_workers, on_command)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -70,8 +72,8 @@ class PlannerThread:
         self._ready.wait()
         cfg = self._settings
         logger.info("planner: TTFT target %g ms, inter-token target %g ms; a pool gets a worker above load %.2f "
-                    "for %g s and drains one below %.2f for %g s, at most one change each %g s", cfg.ttft_target_ms,
-                    cfg.itl_target_ms, cfg.target_load, cfg.scale_up_after_s, cfg.low_load, cfg.scale_down_after_s,
+                    "for %g s and drains one below %.2f for %g s, at most one change each %g s", self._targets.ttft_ms,
+                    self._targets.itl_ms, cfg.target_load, cfg.scale_up_after_s, cfg.low_load, cfg.scale_down_after_s,
                     cfg.hold_s)  # fmt: skip
 
     def stop(self) -> None:
@@ -84,6 +86,6 @@ class PlannerThread:
         self._ready.set()
         bus = Bus(self._redis)
         try:
-            await watch_pools(bus, self._settings, self._stop, self._on_pools)
+            await watch_pools(bus, self._settings, self._targets, self._stop, self._on_pools)
         finally:
             await bus.close()

@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from services.pool_planner.policy import PoolLoad
 from shared.protocol import WorkerStatus
-from shared.settings import PlannerSettings
+from shared.settings import LatencyTargetSettings, PlannerSettings
 from shared.streams import PREFILL_GROUP, Bus
 
 KV_HIGH = 0.9  # KV usage at which a decode pool counts as full: past it, requests wait or get preempted
@@ -50,9 +50,10 @@ class _Window:
 
 
 class LoadSignals:
-    def __init__(self, bus: Bus, settings: PlannerSettings) -> None:
+    def __init__(self, bus: Bus, settings: PlannerSettings, targets: LatencyTargetSettings) -> None:
         self.bus = bus
         self.settings = settings
+        self.targets = targets
         self._history: dict[str, deque[_Sample]] = {}
 
     async def observe(self) -> list[PoolLoad]:
@@ -98,7 +99,7 @@ class LoadSignals:
         queued = num_unread + sum(s.num_waiting for s in serving)
         per_request_s = sum(w.busy_s for w in windows) / num_prefilled if num_prefilled else 0.0
         wait_s = queued * per_request_s / len(serving)
-        target_s = self.settings.ttft_target_ms / 1000
+        target_s = self.targets.ttft_ms / 1000
         load = max(busy, wait_s / target_s)
         detail = (f"prefill busy {busy:.0%}, {queued} requests queued x {per_request_s:.2f} s each = "
                   f"{wait_s:.1f} s of waiting for a TTFT target of {target_s:g} s")
@@ -112,7 +113,7 @@ class LoadSignals:
         num_steps = sum(w.num_steps for w in windows)
         step_s = sum(w.busy_s for w in windows) / num_steps if num_steps else 0.0
         kv_usage = sum(1 - s.free_blocks / s.total_blocks for s in serving if s.total_blocks) / len(serving)
-        target_s = self.settings.itl_target_ms / 1000
+        target_s = self.targets.itl_ms / 1000
         load = max(step_s / target_s, kv_usage / KV_HIGH)
         detail = (f"decode step {1000 * step_s:.0f} ms for an inter-token target of {1000 * target_s:.0f} ms, "
                   f"KV {kv_usage:.0%} used")

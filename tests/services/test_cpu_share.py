@@ -20,6 +20,7 @@ from services.engine_thread import EngineThread
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
 from tests.services.test_faults import until
+from tests.services.test_kv_tcp_layers import until as until_awaited
 
 CPUS = {0, 1}
 PATIENT_S = 120.0  # a wait this long means the lease never let go: the test fails on the leftover thread
@@ -58,6 +59,13 @@ def in_thread(fn: Callable[[], int]) -> tuple[threading.Thread, list[int]]:
     thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
     thread.start()
     return thread, result
+
+
+def engine_settings(model_path: str, lease_dir: Path) -> WorkerServiceSettings:
+    return WorkerServiceSettings.model_validate({
+        "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
+        "worker": {"elastic_threads": True, "core_lease_dir": str(lease_dir)},
+    })  # fmt: skip
 
 
 def test_cpu_lists_name_ledgers_compactly() -> None:
@@ -110,6 +118,32 @@ def test_a_worker_at_its_fair_share_keeps_it_between_layers(host: Host) -> None:
     prefill.between_layers()
     assert (prefill.threads, decode.threads) == (1, 1)
     assert host.set["prefill"] == [2, 1]
+
+
+def test_a_worker_grows_between_layers_into_cores_a_neighbour_lends(host: Host) -> None:
+    prefill, decode = host.lease("prefill"), host.lease("decode")
+    assert decode.before_step() == 2
+    waiter, _ = in_thread(prefill.before_step)
+    until(lambda: host.slots()[prefill.name][1] == 1, "prefill to ask")
+    decode.between_layers()
+    waiter.join(PATIENT_S)
+    assert (prefill.threads, decode.threads) == (1, 1)
+
+    prefill.between_layers()  # decode still holds its core: nothing to take
+    assert prefill.threads == 1
+    assert prefill.neighbour_has_work() and decode.neighbour_has_work()
+    decode.lend()  # decode has work still, but lends its core until its next step
+    assert host.slots()[decode.name] == (0, 0) and not prefill.neighbour_has_work()
+    prefill.between_layers()  # mid-step: prefill takes the lent core at once
+    assert prefill.threads == 2 and host.set["prefill"] == [1, 2]
+
+    waiter, taken = in_thread(decode.before_step)  # decode's token is due: it asks for its core back
+    until(lambda: host.slots()[decode.name] == (0, 1), "decode to ask again")
+    assert waiter.is_alive()
+    prefill.between_layers()
+    waiter.join(PATIENT_S)
+    assert taken == [1] and prefill.threads == 1
+    assert host.set == {"prefill": [1, 2, 1], "decode": [2, 1]}
 
 
 def test_more_workers_with_work_than_cores_run_one_thread_each_without_waiting(
@@ -170,10 +204,7 @@ def test_a_worker_that_leaves_stops_counting(host: Host) -> None:
 def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
     host: Host, model_path: str, two_torch_threads: None
 ) -> None:
-    settings = WorkerServiceSettings.model_validate({
-        "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
-        "worker": {"elastic_threads": True, "core_lease_dir": str(host.directory)},
-    })  # fmt: skip
+    settings = engine_settings(model_path, host.directory)
 
     async def run() -> None:
         thread = EngineThread()
@@ -211,15 +242,48 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
 
 
 @pytest.mark.slow
+def test_a_paced_engine_lends_its_cores_between_steps_only_while_a_neighbour_has_work(
+    host: Host, model_path: str, two_torch_threads: None
+) -> None:
+    settings = engine_settings(model_path, host.directory)
+
+    async def run() -> None:
+        thread = EngineThread()
+        engine = await thread.load(settings)
+        assert thread.pace_to(60.0)  # far beyond any step: every pause lasts until the neighbour is done
+        neighbour = host.lease("neighbour")
+        await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=8, temperature=0))
+        await thread.step()
+        await thread.step()
+        assert thread.lent_s == 0  # no neighbour has work: no one to lend to
+
+        asker, taken = in_thread(neighbour.before_step)  # the neighbour gets a prompt
+        until(lambda: host.slots()[neighbour.name] == (0, 1), "the neighbour to ask for its core")
+        step = asyncio.ensure_future(thread.step())
+        # the engine lends it both cores before its step, though it still has work
+        await until_awaited(lambda: taken == [2])  # the step's pause runs on this event loop
+        (engine_slot,) = (slot for name, slot in host.slots().items() if name != neighbour.name)
+        assert engine_slot == (0, 0) and not step.done()
+
+        neighbour.after_call(has_work=False)  # its prompt is done: the engine steps at once
+        await step
+        assert thread.lent_s > 0
+        lent_s = thread.lent_s
+        while engine.has_unfinished:
+            await thread.step()
+        assert thread.lent_s == lent_s
+        thread.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
 def test_an_engine_thread_without_a_place_for_its_lease_runs_fixed_threads_and_says_how_to_fix_it(
     tmp_path: Path, model_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
-    settings = WorkerServiceSettings.model_validate({
-        "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
-        "worker": {"elastic_threads": True, "core_lease_dir": str(not_a_directory)},
-    })  # fmt: skip
+    settings = engine_settings(model_path, not_a_directory)
 
     async def run() -> None:
         thread = EngineThread()

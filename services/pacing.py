@@ -1,0 +1,46 @@
+"""When a decode worker that shares its cores with a prefill worker must start its next step.
+
+On one host the two split the cores (services/cpu_share.py), and a decode step that starts as soon
+as the last one ended gives prompts only the cores decode leaves: on two cores, one. Yet a decode
+step takes a fraction of the inter-token target. So while a neighbour prefills, the decode worker
+lends it every core and starts its next step only when the next token is due: the last token's
+time plus the target, less what recent steps took from waking to their tokens (the wait for a
+neighbour to give its cores back at a layer boundary, then the step itself) and a slack for
+jitter. Decode then uses only the share of the machine its target needs, and prefill the rest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+SLACK = 0.1  # of the target, kept in hand against jitter: tokens are due at 90% of it
+MIN_PAUSE_S = 0.002  # shorter pauses only cost the neighbour's threads a resize
+
+
+class StepPacer:
+    """Clock times in, pause lengths out; `woke` when a step is asked for, `stepped` when it computed
+    tokens, `pause_s` before asking for the next one."""
+
+    def __init__(self, itl_target_s: float, window: int = 16) -> None:
+        if itl_target_s <= 0:
+            raise ValueError(f"the inter-token target must be positive, got {itl_target_s} s")
+        self.itl_target_s = itl_target_s
+        self._to_token_s: deque[float] = deque(maxlen=window)  # recent steps, waking to their tokens
+        self._woke_at: float | None = None
+        self._token_at: float | None = None
+
+    def woke(self, now: float) -> None:
+        self._woke_at = now
+
+    def stepped(self, now: float) -> None:
+        if self._woke_at is not None:
+            self._to_token_s.append(now - self._woke_at)
+        self._token_at, self._woke_at = now, None
+
+    def pause_s(self, now: float) -> float:
+        """How long to lend the cores before the next step (0: step now)."""
+        if self._token_at is None or not self._to_token_s:
+            return 0.0
+        due = self._token_at + (1 - SLACK) * self.itl_target_s - max(self._to_token_s)
+        pause = due - now
+        return pause if pause >= MIN_PAUSE_S else 0.0
