@@ -205,8 +205,8 @@ class CoreLease:
         self._use(threads)
 
     def lend(self) -> None:
-        """Holds no cores until the next `before_step`, though this worker still has work: its
-        neighbours take them at their next layer."""
+        """Holds no cores until the next `before_step`, whether or not this worker still has work:
+        its neighbours take them at their next layer."""
         if self.threads or self.has_work:
             with self._guarded():
                 self._publish(0, False)
@@ -218,9 +218,8 @@ class CoreLease:
 
     def after_call(self, has_work: bool) -> None:
         """An engine left without work holds no cores until its next step."""
-        if not has_work and (self.threads or self.has_work):
-            with self._guarded():
-                self._publish(0, False)
+        if not has_work:
+            self.lend()
 
     def leave(self) -> None:
         """Takes this worker out of the ledger. Safe while the engine thread still steps: its file's

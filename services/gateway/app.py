@@ -55,7 +55,8 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         stop_pool_watch = asyncio.Event()
         planner = settings.planner
         pool_watch = asyncio.create_task(watch_pools(
-            gw.bus, planner, settings.targets, stop_pool_watch, lambda pools: gw.metrics.observe_pools(pools, planner.target_load)
+            gw.bus, planner, settings.targets, stop_pool_watch,
+            lambda pools: gw.metrics.observe_pools(pools, planner.target_load),
         ), name="pool-watch")
         _log_start(settings, gw.gateway_id, model.name, model.max_model_len)
         yield
