@@ -202,7 +202,18 @@ def report_table(runs: dict[str, list[Attainment]], targets: LatencyTargets, sha
                  *(_rate_text(goodput(points, share)) for points in runs.values())])
     title = (f"targets: TTFT {targets.ttft_ms:.0f} ms, inter-token ({targets.itl_measure} of each request's gaps) "
              f"{targets.itl_ms:.0f} ms; cells: both (TTFT / inter-token)")
-    return title + "\n\n" + format_table(["req/s", *runs], rows)
+
+    def latencies(points: list[Attainment], rate: float) -> str:
+        point = next((p for p in points if p.request_rate == rate), None)
+        return "-" if point is None else f"{_ms_text(point.ttft_p50_ms)} / {_ms_text(point.itl_p99_ms)}"
+
+    latency_rows = [[f"{rate:g}", *(latencies(points, rate) for points in runs.values())] for rate in rates]
+    return (title + "\n\n" + format_table(["req/s", *runs], rows)
+            + "\n\nTTFT p50 / inter-token p99 (ms, over every gap)\n\n" + format_table(["req/s", *runs], latency_rows))
+
+
+def _ms_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def _rate_text(rate: float | None) -> str:

@@ -55,7 +55,8 @@ class LatencyTargets:
 
 @dataclass(slots=True, frozen=True)
 class Attainment:
-    """How the requests sent at one rate fared against the targets (shares in [0, 1])."""
+    """How the requests sent at one rate fared against the targets (shares in [0, 1]), and the
+    median TTFT and p99 gap between tokens of the requests that succeeded (None without any)."""
 
     request_rate: float
     num_requests: int
@@ -63,6 +64,8 @@ class Attainment:
     ttft: float
     itl: float
     both: float
+    ttft_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
 
 
 def attainment(request_rate: float, results: Sequence[RequestResult], targets: LatencyTargets) -> Attainment:
@@ -70,6 +73,8 @@ def attainment(request_rate: float, results: Sequence[RequestResult], targets: L
         raise ValueError(f"no results at {request_rate} req/s: attainment needs at least one request")
     n = len(results)
     meets = [(targets.meets_ttft(r), targets.meets_itl(r)) for r in results]
+    ttfts = [r.ttft_s for r in results if r.success and r.ttft_s is not None]
+    gaps = [gap for r in results if r.success for gap in r.itl_s]
     return Attainment(
         request_rate=request_rate,
         num_requests=n,
@@ -77,6 +82,8 @@ def attainment(request_rate: float, results: Sequence[RequestResult], targets: L
         ttft=sum(t for t, _ in meets) / n,
         itl=sum(i for _, i in meets) / n,
         both=sum(t and i for t, i in meets) / n,
+        ttft_p50_ms=1000 * float(np.percentile(ttfts, 50)) if ttfts else None,
+        itl_p99_ms=1000 * float(np.percentile(gaps, 99)) if gaps else None,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench import goodput as goodput_bench
@@ -47,7 +48,8 @@ def test_attainment_counts_each_target_and_both() -> None:
     targets = LatencyTargets(ttft_ms=300, itl_ms=50)
     results = [result([0.1, 0.12]), result([0.5, 0.52]), result([0.1, 0.3]), result([0.1], error="timed out")]
     got = attainment(2.0, results, targets)
-    assert got == Attainment(request_rate=2.0, num_requests=4, num_failed=1, ttft=0.5, itl=0.5, both=0.25)
+    assert got == Attainment(request_rate=2.0, num_requests=4, num_failed=1, ttft=0.5, itl=0.5, both=0.25,
+                             ttft_p50_ms=pytest.approx(100), itl_p99_ms=pytest.approx(np.percentile([20, 20, 200], 99)))
     with pytest.raises(ValueError, match="at least one request"):
         attainment(1.0, [], targets)
 
@@ -82,6 +84,7 @@ def test_a_small_sweep_calibrates_targets_and_reports_goodput(
     assert (tmp_path / "goodput.png").read_bytes().startswith(PNG_MAGIC)
 
     assert "| req/s | disaggregated |" in printed and "**goodput**" in printed
+    assert "TTFT p50 / inter-token p99" in printed
     calibration, targets = document["calibration"], document["targets"]
     assert targets["ttft_ms"] == pytest.approx(5 * calibration["ttft_ms"])
     assert targets["itl_ms"] == pytest.approx(5 * calibration["itl_ms"])
