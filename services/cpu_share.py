@@ -74,8 +74,8 @@ class _Peer:
 
 class CoreLease:
     """One worker's part in its host's core ledger. On the engine thread: `before_step()` before
-    each engine step (it may wait for a neighbour to give cores back), `between_layers()` from the
-    model's layer loop, `after_call(has_work)` after each engine call, `lend()` between steps;
+    each engine step (it may wait for a neighbour to give cores back), `rebalance()` from the
+    model's layer loop (between layers and within them), `after_call(has_work)` after each engine call, `lend()` between steps;
     `leave()` when the worker stops. `neighbour_has_work()` may be asked from any thread."""
 
     def __init__(
@@ -185,8 +185,8 @@ class CoreLease:
         self._use(wanted)
         return wanted
 
-    def between_layers(self) -> None:
-        """Gives cores beyond the fair share back as soon as another worker has work, and takes
+    def rebalance(self) -> None:
+        """Mid-step: gives cores beyond the fair share back as soon as another worker has work, and takes
         cores that a neighbour lent meanwhile (it went idle, or lends them between its steps)."""
         if not self.threads:  # not within a step
             return

@@ -77,6 +77,8 @@ class EngineThread:
             if settings.worker.elastic_threads:
                 await self.call(self._lease_cores, settings.worker.core_lease_dir)
             self._engine.runner.model.between_layers = self.between_layers
+            if self._lease is not None:
+                self._engine.runner.model.within_layer = self._lease.rebalance
         await self.call(lambda: None)  # first stats snapshot
         return self._engine
 
@@ -129,7 +131,7 @@ class EngineThread:
     def between_layers(self) -> None:
         """The model's hook after each decoder layer, on the engine thread."""
         if self._lease is not None:
-            self._lease.between_layers()
+            self._lease.rebalance()
         layer, self._layer = self._layer, self._layer + 1
         if self.after_layer is not None:
             self.after_layer(self.engine, layer)

@@ -64,8 +64,12 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
-        # called after each decoder layer: where a CPU worker gives borrowed cores back mid-step
+        # called after each decoder layer: where a CPU worker gives borrowed cores back mid-step,
+        # streams the layer's KV out and runs calls queued for the step's next layer
         self.between_layers: Callable[[], None] | None = None
+        # called twice inside each layer (after attention, after the MLP's up projection): where a CPU
+        # worker's thread count may change too, since one layer of a long prompt takes tens of ms
+        self.within_layer: Callable[[], None] | None = None
         pack = onednn_packing_available(dtype, device)
         blocks = (quantized or {}) if quantized_kernel_available(dtype, device) else {}
         keep_plain = plain_products_faster(dtype, device)
@@ -135,8 +139,13 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             normed, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual)
             hidden = self._attention(layer, normed, positions, meta, kv_cache[i, 0], kv_cache[i, 1], kv_format)
+            if self.within_layer is not None:
+                self.within_layer()
             normed, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual)
-            hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(normed)))
+            activated = silu_and_mul(layer.gate_up_proj(normed))
+            if self.within_layer is not None:
+                self.within_layer()
+            hidden = layer.down_proj(activated)
             if self.between_layers is not None:
                 self.between_layers()
         hidden, _ = rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)

@@ -81,14 +81,17 @@ def test_bfloat16_engine_answers_like_float32(model_path: str) -> None:
     assert "Paris" in out.text
 
 
-def test_the_layer_hook_runs_after_every_decoder_layer_of_every_step(llm: LLM) -> None:
+def test_the_layer_hooks_run_twice_within_and_once_after_every_decoder_layer_of_every_step(llm: LLM) -> None:
     model = llm.engine.runner.model
-    calls: list[int] = []
-    model.between_layers = lambda: calls.append(llm.engine.num_steps)
+    calls: list[tuple[int, str]] = []
+    model.between_layers = lambda: calls.append((llm.engine.num_steps, "between"))
+    model.within_layer = lambda: calls.append((llm.engine.num_steps, "within"))
     try:
         steps_before = llm.engine.num_steps
         llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:
-        model.between_layers = None
+        model.between_layers = model.within_layer = None
     num_layers = model.config.num_layers
-    assert calls == [step for step in range(steps_before, steps_before + 3) for _ in range(num_layers)]
+    one_layer = ["within", "within", "between"]
+    assert calls == [(step, hook) for step in range(steps_before, steps_before + 3)
+                     for _ in range(num_layers) for hook in one_layer]

@@ -94,7 +94,7 @@ def test_a_neighbour_with_work_waits_until_the_borrower_steps_down_between_layer
     until(lambda: host.slots()[decode.name] == (0, 1), "decode to ask for its core")
     assert waiter.is_alive()  # prefill still runs both cores: decode must not start its step
 
-    prefill.between_layers()
+    prefill.rebalance()
     waiter.join(PATIENT_S)
     assert taken == [1] and prefill.threads == 1
     assert host.set == {"prefill": [2, 1], "decode": [1]}
@@ -109,13 +109,13 @@ def test_a_neighbour_with_work_waits_until_the_borrower_steps_down_between_layer
 def test_a_worker_at_its_fair_share_keeps_it_between_layers(host: Host) -> None:
     prefill, decode = host.lease("prefill"), host.lease("decode")
     assert prefill.before_step() == 2
-    prefill.between_layers()  # no one else has work
+    prefill.rebalance()  # no one else has work
     assert prefill.threads == 2
     waiter, _ = in_thread(decode.before_step)
     until(lambda: host.slots()[decode.name][1] == 1, "decode to ask")
-    prefill.between_layers()
+    prefill.rebalance()
     waiter.join(PATIENT_S)
-    prefill.between_layers()
+    prefill.rebalance()
     assert (prefill.threads, decode.threads) == (1, 1)
     assert host.set["prefill"] == [2, 1]
 
@@ -125,22 +125,22 @@ def test_a_worker_grows_between_layers_into_cores_a_neighbour_lends(host: Host) 
     assert decode.before_step() == 2
     waiter, _ = in_thread(prefill.before_step)
     until(lambda: host.slots()[prefill.name][1] == 1, "prefill to ask")
-    decode.between_layers()
+    decode.rebalance()
     waiter.join(PATIENT_S)
     assert (prefill.threads, decode.threads) == (1, 1)
 
-    prefill.between_layers()  # decode still holds its core: nothing to take
+    prefill.rebalance()  # decode still holds its core: nothing to take
     assert prefill.threads == 1
     assert prefill.neighbour_has_work() and decode.neighbour_has_work()
     decode.lend()  # decode has work still, but lends its core until its next step
     assert host.slots()[decode.name] == (0, 0) and not prefill.neighbour_has_work()
-    prefill.between_layers()  # mid-step: prefill takes the lent core at once
+    prefill.rebalance()  # mid-step: prefill takes the lent core at once
     assert prefill.threads == 2 and host.set["prefill"] == [1, 2]
 
     waiter, taken = in_thread(decode.before_step)  # decode's token is due: it asks for its core back
     until(lambda: host.slots()[decode.name] == (0, 1), "decode to ask again")
     assert waiter.is_alive()
-    prefill.between_layers()
+    prefill.rebalance()
     waiter.join(PATIENT_S)
     assert taken == [1] and prefill.threads == 1
     assert host.set == {"prefill": [1, 2, 1], "decode": [2, 1]}
@@ -153,7 +153,7 @@ def test_more_workers_with_work_than_cores_run_one_thread_each_without_waiting(
     assert first.before_step() == 2
     waiter, taken = in_thread(second.before_step)
     until(lambda: host.slots()[second.name] == (0, 1), "the second to ask")
-    first.between_layers()
+    first.rebalance()
     waiter.join(PATIENT_S)
     with caplog.at_level(logging.WARNING, logger="services.cpu_share"):
         assert third.before_step() == 1  # no one runs beyond its share: nothing to wait for
@@ -217,7 +217,7 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
         await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0))
         step = asyncio.ensure_future(thread.step())
         while not step.done():  # the neighbour's layer loop: it gives the core back once the engine asks
-            neighbour.between_layers()
+            neighbour.rebalance()
             await asyncio.sleep(0.001)
         await step
         (engine_slot,) = (slot for name, slot in host.slots().items() if name != neighbour.name)
