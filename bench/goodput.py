@@ -11,7 +11,8 @@ median time to first token and `--itl-scale` times their median gap between toke
 absolute targets for every server. On a GPU give them in ms instead. This stack's servers are
 given the targets (LLMD_TARGETS__*): its decode worker paces itself to the inter-token one while
 prompts are prefilled on its cores, unless --no-pacing.
-Per rate it prints the share of requests meeting the TTFT target, the inter-token target (each
+Every rate sends the first requests of one sample at one draw of arrival gaps scaled to the rate,
+so the rates differ in load alone. Per rate it prints the share of requests meeting the TTFT target, the inter-token target (each
 request's p90 gap by default; bench/serving/attainment.py) and both; the goodput is the highest
 rate up to which at least --share (90%) meet both. Writes bench/results/<name>.json and a plot of
 attainment against rate, bench/results/<name>.png.
@@ -175,19 +176,39 @@ def calibrate(base_url: str, args: argparse.Namespace, vocab: Any) -> dict[str, 
 
 
 def sweep(label: str, base_url: str, args: argparse.Namespace, vocab: Any, targets: LatencyTargets) -> list[Attainment]:
+    # Common random numbers: every rate sends the first requests of one sample, at one draw of
+    # arrival gaps scaled to the rate, so rates differ in load alone and one unlucky burst in
+    # one rate's sample does not decide the goodput on its own.
+    rates = parse_rates(args.rates)
+    counts = [max(args.min_requests, round(rate * args.duration_s)) for rate in rates]
+    sample = _workload(args, vocab, max(counts), args.seed + 100)
     points = []
-    for i, rate in enumerate(parse_rates(args.rates)):
-        num = max(args.min_requests, round(rate * args.duration_s))
-        requests = _workload(args, vocab, num, args.seed + 100 + i)
+    for rate, num in zip(rates, counts, strict=True):
         print(f"{label}: {num} requests at {rate:g} req/s", file=sys.stderr)
-        _, results = run_load(base_url, requests, LoadSpec(request_rate=rate, seed=args.seed + i))
+        _, results = run_load(base_url, sample[:num], LoadSpec(request_rate=rate, seed=args.seed))
         point = attainment(rate, results, targets)
         points.append(point)
-        print(f"{label} at {rate:g} req/s: TTFT {point.ttft:.0%}, inter-token {point.itl:.0%}, both {point.both:.0%}",
-              file=sys.stderr)
+        print(f"{label} at {rate:g} req/s: TTFT {point.ttft:.0%}, inter-token {point.itl:.0%}, both {point.both:.0%}"
+              f"{describe_misses(point, targets)}", file=sys.stderr)
         if point.both < args.stop_below:
             break
     return points
+
+
+def describe_misses(point: Attainment, targets: LatencyTargets) -> str:
+    """Which prompts missed which target, so a reader sees whether length or load explains them."""
+    parts = []
+    for name, value_of, target in (("TTFT", lambda m: m.ttft_ms, targets.ttft_ms),
+                                   ("inter-token", lambda m: m.itl_ms, targets.itl_ms)):
+        missed = sorted((m for m in point.misses if m.error is None and (value_of(m) or 0) > target),
+                        key=lambda m: m.num_prompt_tokens)
+        if missed:
+            prompts = ", ".join(f"{m.num_prompt_tokens:,}" for m in missed)
+            parts.append(f"{name} missed by prompts of {prompts} tokens")
+    failed = sum(m.error is not None for m in point.misses)
+    if failed:
+        parts.append(f"{failed} failed")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def report_table(runs: dict[str, list[Attainment]], targets: LatencyTargets, share: float) -> str:

@@ -54,9 +54,23 @@ class LatencyTargets:
 
 
 @dataclass(slots=True, frozen=True)
+class Miss:
+    """One request that missed a target, with what explains it: when it was sent (s after the
+    first), its lengths, its TTFT and its inter-token latency (ms; None where there was none)."""
+
+    start_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ttft_ms: float | None
+    itl_ms: float | None
+    error: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class Attainment:
-    """How the requests sent at one rate fared against the targets (shares in [0, 1]), and the
-    median TTFT and p99 gap between tokens of the requests that succeeded (None without any)."""
+    """How the requests sent at one rate fared against the targets (shares in [0, 1]), the
+    median TTFT and p99 gap between tokens of the requests that succeeded (None without any),
+    and the requests that missed."""
 
     request_rate: float
     num_requests: int
@@ -66,6 +80,7 @@ class Attainment:
     both: float
     ttft_p50_ms: float | None = None
     itl_p99_ms: float | None = None
+    misses: tuple[Miss, ...] = ()
 
 
 def attainment(request_rate: float, results: Sequence[RequestResult], targets: LatencyTargets) -> Attainment:
@@ -75,6 +90,7 @@ def attainment(request_rate: float, results: Sequence[RequestResult], targets: L
     meets = [(targets.meets_ttft(r), targets.meets_itl(r)) for r in results]
     ttfts = [r.ttft_s for r in results if r.success and r.ttft_s is not None]
     gaps = [gap for r in results if r.success for gap in r.itl_s]
+    first_start = min(r.start_s for r in results)
     return Attainment(
         request_rate=request_rate,
         num_requests=n,
@@ -84,7 +100,15 @@ def attainment(request_rate: float, results: Sequence[RequestResult], targets: L
         both=sum(t and i for t, i in meets) / n,
         ttft_p50_ms=1000 * float(np.percentile(ttfts, 50)) if ttfts else None,
         itl_p99_ms=1000 * float(np.percentile(gaps, 99)) if gaps else None,
+        misses=tuple(_miss(r, targets, first_start) for r, (t, i) in zip(results, meets) if not (t and i)),
     )
+
+
+def _miss(result: RequestResult, targets: LatencyTargets, first_start_s: float) -> Miss:
+    ttft_s = result.ttft_s
+    return Miss(start_s=result.start_s - first_start_s, num_prompt_tokens=result.num_prompt_tokens,
+                num_output_tokens=result.num_output_tokens, ttft_ms=None if ttft_s is None else 1000 * ttft_s,
+                itl_ms=targets.request_itl_ms(result), error=result.error)
 
 
 def goodput(points: Sequence[Attainment], share: float = DEFAULT_SHARE) -> float | None:

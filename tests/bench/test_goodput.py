@@ -11,8 +11,10 @@ import pytest
 
 from bench import goodput as goodput_bench
 from bench import stack_harness
-from bench.serving.attainment import Attainment, LatencyTargets, attainment, goodput
+from bench.serving.attainment import Attainment, LatencyTargets, Miss, attainment, goodput
 from bench.serving.client import RequestResult
+from bench.serving.runner import LoadSpec
+from bench.serving.workload import BenchRequest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -48,8 +50,13 @@ def test_attainment_counts_each_target_and_both() -> None:
     targets = LatencyTargets(ttft_ms=300, itl_ms=50)
     results = [result([0.1, 0.12]), result([0.5, 0.52]), result([0.1, 0.3]), result([0.1], error="timed out")]
     got = attainment(2.0, results, targets)
+    misses = (Miss(0.0, 8, 2, pytest.approx(500), pytest.approx(20)), Miss(0.0, 8, 2, pytest.approx(100), pytest.approx(200)),
+              Miss(0.0, 8, 1, pytest.approx(100), None, "timed out"))
     assert got == Attainment(request_rate=2.0, num_requests=4, num_failed=1, ttft=0.5, itl=0.5, both=0.25,
-                             ttft_p50_ms=pytest.approx(100), itl_p99_ms=pytest.approx(np.percentile([20, 20, 200], 99)))
+                             ttft_p50_ms=pytest.approx(100), itl_p99_ms=pytest.approx(np.percentile([20, 20, 200], 99)),
+                             misses=misses)
+    assert goodput_bench.describe_misses(got, targets) == (
+        "; TTFT missed by prompts of 8 tokens; inter-token missed by prompts of 8 tokens; 1 failed")
     with pytest.raises(ValueError, match="at least one request"):
         attainment(1.0, [], targets)
 
@@ -91,5 +98,22 @@ def test_a_small_sweep_calibrates_targets_and_reports_goodput(
     points = document["runs"]["disaggregated"]
     assert [p["request_rate"] for p in points] == [2.0, 4.0]
     assert [p["num_requests"] for p in points] == [2, 4] and all(p["num_failed"] == 0 for p in points)
-    expected = goodput([Attainment(**p) for p in points])
+    expected = goodput([Attainment(**{**p, "misses": ()}) for p in points])
     assert document["goodput"]["disaggregated"] == expected
+
+
+def test_every_rate_sends_the_first_requests_of_one_sample_at_one_draw_of_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[list[BenchRequest], LoadSpec]] = []
+
+    def record(base_url: str, requests: list[BenchRequest], load: LoadSpec) -> tuple:
+        sent.append((requests, load))
+        return None, [result([0.1, 0.11]) for _ in requests]
+
+    monkeypatch.setattr(goodput_bench, "run_load", record)
+    args = goodput_bench.build_parser().parse_args(["--rates", "0.5,1,2", "--duration-s", "8", "--min-requests", "6"])
+    points = goodput_bench.sweep("server", "http://unused", args, np.arange(1000), LatencyTargets(1000, 100))
+    assert [p.num_requests for p in points] == [6, 8, 16]
+    largest = sent[-1][0]
+    assert all(requests == largest[: len(requests)] for requests, _ in sent)
+    assert {load.seed for _, load in sent} == {args.seed}
+    assert [load.request_rate for _, load in sent] == [0.5, 1, 2]
