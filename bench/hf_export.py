@@ -16,7 +16,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from shared.disk_cache import build_folder, derived_folder
-from shared.model.loader import load_model, resolve_model_path
+from shared.model.loader import load_model
+from shared.model.paths import resolve_model_path
 
 # bump when what `_write_checkpoint` writes changes
 HF_CHECKPOINT_ENTRY = "hf-checkpoint-v1"

@@ -44,7 +44,7 @@ from bench.stack_harness import (
     write_result,
 )
 from services.launcher import Stack
-from shared.model.loader import resolve_model_path
+from shared.model.paths import resolve_model_path
 from shared.settings import RoutingSettings
 
 NAME = "routing"

@@ -49,7 +49,7 @@ from bench.serving.workload import (
 from bench.stack_harness import run_load, stack_config, vocab_ids, write_result
 from services.launcher import Stack, free_port
 from shared.engine.engine import resolve_dtype
-from shared.model.loader import resolve_model_path
+from shared.model.paths import resolve_model_path
 
 NAME = "side_by_side"
 READY_TIMEOUT_S = 300.0  # vLLM compiles its model first: about 90 s on 2 cores

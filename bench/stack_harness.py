@@ -62,7 +62,7 @@ from bench.serving.report import write_json
 from bench.serving.runner import LoadSpec, run_benchmark
 from bench.serving.workload import BenchRequest, vocab_from_tokenizer
 from services.launcher import Stack, StackConfig
-from shared.model.loader import resolve_model_path
+from shared.model.paths import resolve_model_path
 from shared.protocol import WorkerStatus
 from shared.settings import RedisSettings
 from shared.streams import Bus

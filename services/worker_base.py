@@ -33,7 +33,7 @@ from services.kv_events import KVEventPublisher, KVEventSource
 from services.kv_transfer import kv_transports
 from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics
-from shared.model.loader import ModelNotFoundError, resolve_model_path
+from shared.model.paths import ModelNotFoundError, resolve_model_path
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
 from shared.settings import WorkerServiceSettings, parse_cpu_list, warn_unknown_settings
 from shared.streams import INBOX_GROUP, REDIS_ERRORS, Bus, with_backoff

@@ -7,10 +7,13 @@ live in one process in tests without their series colliding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shared.engine.engine import EngineStats
+if TYPE_CHECKING:  # the gateway imports this module too, and has no use for torch
+    from shared.engine.engine import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("model_name", "worker_id")

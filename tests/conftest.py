@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.launcher import RedisServer  # noqa: E402
-from shared.model.loader import LoadedModel, default_model_path, load_model  # noqa: E402
+from shared.model.loader import LoadedModel, load_model  # noqa: E402
+from shared.model.paths import default_model_path  # noqa: E402
 
 # Tests talk to a real Redis: REDIS_URL when set, else a private server started for this run.
 # Started on import, not in pytest_configure: a run of one file also loads that directory's

@@ -8,7 +8,7 @@ import sys
 from aiohttp import web
 
 from services.gateway.app import create_app
-from shared.model.loader import ModelNotFoundError
+from shared.model.paths import ModelNotFoundError
 from shared.settings import GatewayServiceSettings, warn_unknown_settings
 
 logger = logging.getLogger("services.gateway")

@@ -9,7 +9,7 @@ import secrets
 import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -22,10 +22,12 @@ from services.gateway.model_info import ModelInfo
 from services.gateway.openai_schema import ApiError
 from services.gateway.replies import ReplyRouter
 from services.gateway.router import Router
-from shared.engine.structured import Grammars
 from shared.settings import GatewayServiceSettings, GatewaySettings
 from shared.streams import Bus
 from shared.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from shared.engine.structured import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class Gateway:
         """The grammar compiler, built on first use (about half a second): requests without a
         constraint never need it. Call it off the event loop."""
         if self._grammars is None:
+            # imported here: xgrammar and torch would add seconds to every gateway's start
+            from shared.engine.structured import Grammars
+
             tokenizer = self.tokenizer
             self._grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
         return self._grammars

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.model.loader import resolve_model_path
+from shared.model.paths import resolve_model_path
 from shared.settings import ModelSettings
 
 

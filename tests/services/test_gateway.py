@@ -22,7 +22,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from shared.engine.sampling_params import SamplingParams
-from shared.model.loader import default_model_path
+from shared.model.paths import default_model_path
 from shared.protocol import Cancel, GenerateRequest, Message, TokenBatch, TokenUpdate, WorkerStatus, decode
 from shared.settings import GatewayServiceSettings, RedisSettings
 from shared.streams import Bus

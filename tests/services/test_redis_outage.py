@@ -49,7 +49,7 @@ async def client(bus: Bus, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    from shared.model.loader import default_model_path
+    from shared.model.paths import default_model_path
 
     return Tokenizer.from_path(str(default_model_path()))
 

@@ -21,7 +21,8 @@ from bench.stack_harness import scrape_metrics
 from services.gateway.kv_feed import SNAPSHOT_POLL_S
 from services.launcher import RedisServer, Stack, StackConfig
 from shared.engine.sampling_params import SamplingParams
-from shared.model.loader import LoadedModel, default_model_path
+from shared.model.loader import LoadedModel
+from shared.model.paths import default_model_path
 from shared.streams import PREFILL_GROUP
 from shared.text.tokenizer import Tokenizer
 from tests.services.stack_client import offline_greedy
