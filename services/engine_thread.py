@@ -14,7 +14,7 @@ import torch
 
 from services.cpu_share import CoreLease
 from services.pacing import StepPacer
-from shared.engine.engine import Engine, EngineStats, RequestOutput
+from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
 from shared.model.loader import load_model
 from shared.settings import WorkerServiceSettings
 
@@ -71,11 +71,14 @@ class EngineThread:
         return self.stats is not None and self.stats.num_running + self.stats.num_waiting > 0
 
     async def load(self, settings: WorkerServiceSettings) -> Engine:
-        self._engine = await self.call(load_engine, settings)
+        # a CUDA graph's replay calls no Python between layers, so only a CPU engine leases cores
+        on_cpu = resolve_device(settings.model.device).type == "cpu"
+        if on_cpu and settings.worker.elastic_threads:
+            max_threads = settings.torch_threads or await self.call(torch.get_num_threads)
+            await self.call(self._lease_cores, settings.worker.core_lease_dir, max_threads)
+        self._engine = await self.call(load_engine, settings, self._lease)
         self._fixed_threads = await self.call(torch.get_num_threads)
-        if self._engine.device.type == "cpu":  # a CUDA graph's replay calls no Python between layers
-            if settings.worker.elastic_threads:
-                await self.call(self._lease_cores, settings.worker.core_lease_dir)
+        if on_cpu:
             self._engine.runner.model.between_layers = self.between_layers
             if self._lease is not None:
                 self._engine.runner.model.within_layer = self._lease.rebalance
@@ -89,14 +92,14 @@ class EngineThread:
             return self._lease.threads
         return self._fixed_threads
 
-    def _lease_cores(self, directory: str) -> None:
+    def _lease_cores(self, directory: str, max_threads: int) -> None:
         try:
-            self._lease = CoreLease(directory, torch.get_num_threads())
+            self._lease = CoreLease(directory, max_threads)
         except OSError as e:
             logger.warning(
                 "elastic threads off: no core lease in %s (%s); running a fixed %d torch threads. Point "
                 "LLMD_WORKER__CORE_LEASE_DIR at a tmpfs the host's workers share, or set "
-                "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, torch.get_num_threads(),
+                "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, max_threads,
             )
 
     def pace_to(self, itl_target_s: float) -> bool:
@@ -238,5 +241,10 @@ def _settle(future: asyncio.Future[Any], result: Any, error: Exception | None) -
         future.set_result(result)
 
 
-def load_engine(settings: WorkerServiceSettings) -> Engine:
-    return Engine(settings.engine, load_model(settings.model.path, settings.model.disk_cache))
+def load_engine(settings: WorkerServiceSettings, lease: CoreLease | None = None) -> Engine:
+    """The worker's engine; where it leases cores, loaded on the lease's share, which then sets the threads."""
+    if lease is None:
+        return Engine(settings.engine, load_model(settings.model.path, settings.model.disk_cache))
+    with lease.loading():
+        engine_settings = settings.engine.model_copy(update={"torch_threads": None})
+        return Engine(engine_settings, load_model(settings.model.path, settings.model.disk_cache))

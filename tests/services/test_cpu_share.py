@@ -201,6 +201,19 @@ def test_a_worker_that_leaves_stops_counting(host: Host) -> None:
 
 
 @pytest.mark.slow
+def test_a_worker_loads_on_its_share_of_the_workers_on_the_ledger_and_holds_nothing_after(host: Host) -> None:
+    first = host.lease("first")
+    with first.loading() as threads:  # alone: every core
+        assert threads == 2 and host.slots() == {first.name: (2, 1)}
+    assert host.slots() == {first.name: (0, 0)}
+    second = host.lease("second")
+    # an idle neighbour counts too: the workers of a host start, and load, together
+    with second.loading() as threads:
+        assert threads == 1 and host.set["second"] == [1]
+        assert host.slots()[second.name] == (1, 1)  # held as work: a serving neighbour gives back its surplus
+    assert host.slots()[second.name] == (0, 0)
+
+
 def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
     host: Host, model_path: str, two_torch_threads: None
 ) -> None:
@@ -208,10 +221,11 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
 
     async def run() -> None:
         thread = EngineThread()
+        neighbour = host.lease("neighbour")
         engine = await thread.load(settings)
+        assert await thread.call(torch.get_num_threads) == 1  # loaded on its share beside the neighbour
         assert thread.torch_threads == 2
         assert host.slots() and set(host.slots().values()) == {(0, 0)}  # loaded, idle: holds nothing
-        neighbour = host.lease("neighbour")
         assert neighbour.before_step() == 2  # borrows the idle engine's core
 
         await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0))
