@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -19,12 +20,13 @@ from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from shared.engine.structured import GrammarMatcher, Grammars
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
 from shared.model.runner import PHASE_SCHEDULE, PHASE_UPDATE, ModelRunner, kv_block_bytes
 from shared.settings import EngineSettings
-from shared.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # xgrammar and transformers load with the first constrained request, not at start
+    from shared.engine.structured import GrammarMatcher, Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +228,9 @@ class Engine:
         if params.structured is None:
             return None
         if self._grammars is None:
+            from shared.engine.structured import Grammars
+            from shared.text.tokenizer import Tokenizer
+
             tokenizer = Tokenizer.from_path(str(self.model_path), self.settings.model.disk_cache)
             self._grammars = Grammars(tokenizer, self.config.vocab_size, self.eos_token_ids)
         return self._grammars.matcher(params.structured, output_token_ids)

@@ -14,7 +14,6 @@ from kernels import cpu_attention, cpu_layer_ops
 from kernels.kv_quant import KVFormat, unscaled_format
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
-from shared.engine.structured import token_masks
 from shared.model.config import ModelConfig
 from shared.model.cuda_graphs import DecodeGraphs
 from shared.model.llama import AttentionMetadata, LlamaModel
@@ -105,7 +104,12 @@ class ModelRunner:
         with record_function(PHASE_SAMPLE):
             rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
             vocab_size = self.model.config.vocab_size
-            masks = token_masks([r.grammar for r in sampling_reqs], vocab_size)
+            masks = None
+            if any(r.grammar is not None for r in sampling_reqs):
+                # xgrammar loads with the first constrained request, not at a worker's start
+                from shared.engine.structured import token_masks
+
+                masks = token_masks([r.grammar for r in sampling_reqs], vocab_size)
             sampling = build_sampling_batch(rows, sampling_reqs[0].eos_token_ids, vocab_size, self.device, masks)
             out = self.sampler(logits, sampling)
         return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
