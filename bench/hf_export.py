@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from shared.disk_cache import build_folder, derived_folder
 from shared.model.loader import load_model
 from shared.model.paths import resolve_model_path
+from shared.text.tokenizer import Tokenizer
 
 # bump when what `_write_checkpoint` writes changes
 HF_CHECKPOINT_ENTRY = "hf-checkpoint-v1"
@@ -34,7 +35,7 @@ def hf_checkpoint(model: str | Path | None) -> Path:
 
 
 def _write_checkpoint(gguf: Path, folder: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     loaded = load_model(gguf)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -43,7 +44,8 @@ def _write_checkpoint(gguf: Path, folder: Path) -> None:
         del config.quantization_config
     config.dtype = "float32"
     config.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    # the gateway's tokenizer, converted once and kept in the disk cache (converting takes about 8 s)
+    Tokenizer.from_path(str(gguf)).save_pretrained(folder)
     # a tied LM head is the embedding again; safetensors refuses tensors that share memory
     weights = {name: tensor.contiguous() for name, tensor in loaded.weights.items()
                if not (config.tie_word_embeddings and name == "lm_head.weight")}

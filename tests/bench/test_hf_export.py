@@ -9,13 +9,26 @@ import pytest
 import torch
 
 from bench import hf_export
-from shared.model.loader import load_model
+from shared.disk_cache import derived_folder
+from shared.model.loader import LoadedModel, load_model
+from shared.model.paths import resolve_model_path
 
 pytestmark = pytest.mark.slow
 
 
-def test_checkpoint_holds_the_weights_the_workers_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_holds_the_weights_the_workers_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loaded_model: LoadedModel
+) -> None:
+    # A cache of its own, holding the user cache's converted weights and tokenizer (converting them is
+    # tests/test_disk_cache.py's, at about 8 s each): only the checkpoint is written here.
+    gguf = resolve_model_path("default")
+    converted = derived_folder("models", gguf, hf_export.HF_CHECKPOINT_ENTRY).parent
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    own = derived_folder("models", gguf, hf_export.HF_CHECKPOINT_ENTRY).parent
+    own.mkdir(parents=True)
+    for entry in converted.iterdir():
+        if entry.name != hf_export.HF_CHECKPOINT_ENTRY:
+            (own / entry.name).symlink_to(entry)
     folder = hf_export.hf_checkpoint("default")
 
     assert folder.is_relative_to(tmp_path) and folder.name == hf_export.HF_CHECKPOINT_ENTRY
