@@ -133,21 +133,18 @@ def test_the_key_follows_the_file_and_the_format(tmp_path: Path) -> None:
 def test_a_gguf_model_is_converted_once_and_read_back_identical(
     model_path: str, cache_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fresh = loader.load_model(model_path, disk_cache=False)
-    assert not cache_home.exists()
     superseded = derived_folder("models", Path(model_path), "weights-v1")
     superseded.mkdir(parents=True)
     (superseded / "model.safetensors").write_bytes(b"an older format")
-    first = loader.load_model(model_path)
+    fresh = loader.load_model(model_path)  # converted now (what it returns is the conversion) and written
     assert not superseded.exists()
     monkeypatch.setattr(loader, "_load_gguf", lambda path: pytest.fail(f"{path} converted again"))
     cached = loader.load_model(model_path)
-    for loaded in (first, cached):
-        assert loaded.config == fresh.config
-        assert loaded.weights.keys() == fresh.weights.keys()
-        for name, tensor in fresh.weights.items():
-            assert loaded.weights[name].dtype == torch.float32
-            assert torch.equal(loaded.weights[name], tensor), name
+    assert cached.config == fresh.config
+    assert cached.weights.keys() == fresh.weights.keys()
+    for name, tensor in fresh.weights.items():
+        assert cached.weights[name].dtype == torch.float32
+        assert torch.equal(cached.weights[name], tensor), name
     (entry,) = (cache_home / "llmd" / "models").iterdir()
     assert sorted(p.name for p in (entry / "weights-v2").iterdir()) == ["config.json", "model.safetensors"]
 
@@ -165,8 +162,8 @@ def test_weights_over_the_cap_are_not_cached(
 def test_a_gguf_tokenizer_is_converted_once_and_behaves_the_same(
     model_path: str, cache_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fresh = Tokenizer.from_path(model_path, disk_cache=False)
-    Tokenizer.from_path(model_path)
+    fresh = Tokenizer.from_path(model_path)  # converted now (what it returns is the conversion) and written
+    assert (cache_home / "llmd" / "models").exists()
     convert = tokenizer_module.AutoTokenizer.from_pretrained
 
     def no_conversion(*args: object, **kwargs: object) -> object:

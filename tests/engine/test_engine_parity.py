@@ -16,7 +16,7 @@ from tests.model.reference import Reference
 
 # around block boundaries, across chunks of the 256-token budget, up to 1,500 tokens (1,100 and
 # 1,300 went: a third of the module's time on a slow 2-core machine, covered by 900 and 1,500)
-PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 100, 180, 256, 400, 513, 700, 900, 1500]
+PROMPT_LENGTHS = [1, 3, 15, 16, 17, 40, 100, 256, 400, 513, 1500]
 MAX_NEW_TOKENS = 16
 LOGIT_TOLERANCE = 2e-3  # fp32; observed differences are ~1e-5, from a different attention kernel
 
@@ -112,9 +112,10 @@ def test_prefix_caching_with_shared_system_prompt_is_token_identical(
 
 @pytest.mark.slow
 def test_small_pool_preempts_and_stays_token_identical(loaded_model: LoadedModel, reference: Reference) -> None:
-    prompts = [reference.prompt(250, offset=i) for i in range(6)]
+    prompts = [reference.prompt(250, offset=i) for i in range(4)]
     expected = [reference.greedy(p, MAX_NEW_TOKENS) for p in prompts]
-    engine = make_engine(loaded_model, num_blocks=100)
+    # each request ends holding 17 blocks: four need 68
+    engine = make_engine(loaded_model, num_blocks=64)
     assert run_to_completion(engine, prompts) == expected
     assert engine.stats().num_preemptions > 0
     assert engine.stats().kv.num_used_blocks == 0

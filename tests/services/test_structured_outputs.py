@@ -30,7 +30,7 @@ from tests.services.test_faults import BOUND_S, assert_clean
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 KV_BYTES = 64 * 2**20
-NUM_SCHEMAS = 200
+NUM_SCHEMAS = 96
 WEATHER = {
     "type": "function",
     "function": {
