@@ -119,14 +119,21 @@ def test_a_failed_build_leaves_no_lock_behind(tmp_path: Path, monkeypatch: pytes
     assert list((tmp_path / "locks").iterdir()) == []
 
 
-def test_the_key_follows_the_file_and_the_format(tmp_path: Path) -> None:
+def test_the_key_follows_the_files_bytes_and_the_format_not_its_place(tmp_path: Path, cache_home: Path) -> None:
     source = tmp_path / "model.gguf"
     source.write_bytes(b"one")
     key = file_key(source)
     assert file_key(source) == key and file_key(source, "v2") != key
+    elsewhere = tmp_path / "another-venv" / "model.gguf"  # a reinstall or another clone: the same entries
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"one")
+    assert file_key(elsewhere) == key
+    source.write_bytes(b"two")
     stat = source.stat()
-    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # a coarse clock may not have moved
     assert file_key(source) != key
+    # read once per path, size and mtime: one memo for each version of each file
+    assert len(list((cache_home / "llmd" / "digests").iterdir())) == 3
     assert derived_folder("models", source, "weights-v2").parent.name.startswith("model-")
 
 
