@@ -45,7 +45,7 @@ def _write_checkpoint(gguf: Path, folder: Path) -> None:
     config.dtype = "float32"
     config.save_pretrained(folder)
     # the gateway's tokenizer, converted once and kept in the disk cache (converting takes about 8 s)
-    Tokenizer.from_path(str(gguf)).save_pretrained(folder)
+    Tokenizer.from_path(str(gguf)).hf.save_pretrained(folder)
     # a tied LM head is the embedding again; safetensors refuses tensors that share memory
     weights = {name: tensor.contiguous() for name, tensor in loaded.weights.items()
                if not (config.tie_word_embeddings and name == "lm_head.weight")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import time
@@ -243,8 +244,8 @@ def _settle(future: asyncio.Future[Any], result: Any, error: Exception | None) -
 
 def load_engine(settings: WorkerServiceSettings, lease: CoreLease | None = None) -> Engine:
     """The worker's engine; where it leases cores, loaded on the lease's share, which then sets the threads."""
-    if lease is None:
-        return Engine(settings.engine, load_model(settings.model.path, settings.model.disk_cache))
-    with lease.loading():
-        engine_settings = settings.engine.model_copy(update={"torch_threads": None})
+    engine_settings = settings.engine
+    if lease is not None:
+        engine_settings = engine_settings.model_copy(update={"torch_threads": None})
+    with contextlib.nullcontext() if lease is None else lease.loading():
         return Engine(engine_settings, load_model(settings.model.path, settings.model.disk_cache))

@@ -99,10 +99,6 @@ class Tokenizer:
         """The transformers tokenizer this one was loaded through (the reference)."""
         return self._hf
 
-    def save_pretrained(self, folder: str | Path) -> None:
-        """Write the reference tokenizer's files to `folder`, as a Hugging Face checkpoint holds them."""
-        self._hf.save_pretrained(str(folder))
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
 
