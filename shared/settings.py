@@ -65,6 +65,10 @@ class SchedulerSettings(BaseModel):
         "paged", description="paged: KV blocks are taken as a request grows; max_length: a request is admitted only "
         "when blocks for its prompt + max_tokens are free, and takes them all at admission (as servers before "
         "PagedAttention, e.g. FasterTransformer and Orca, reserved); for comparison")
+    fit_steps_to_itl_target: bool = Field(
+        True, description="while requests decode, a step takes only as many prompt tokens as keep it within the "
+        "inter-token target (targets.itl_ms), judged from recent steps' measured times, so a long prompt's chunks "
+        "do not stall the streams; off: prompts may take all of max_num_batched_tokens")
 
 
 class EngineSettings(BaseModel):
@@ -72,6 +76,9 @@ class EngineSettings(BaseModel):
     kv_cache: KVCacheSettings = KVCacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     torch_threads: int | None = Field(None, ge=1, description="intra-op threads for torch on CPU")
+    step_target_ms: float | None = Field(
+        None, gt=0, description="while requests decode, steps aim to end within this (shared/engine/step_budget.py); "
+        "None: prompts take the scheduler's whole token budget")
 
 
 class RedisSettings(BaseModel):
@@ -110,7 +117,8 @@ class EngineServiceSettings(_Base):
     @property
     def engine(self) -> EngineSettings:
         return EngineSettings(
-            model=self.model, kv_cache=self.kv_cache, scheduler=self.scheduler, torch_threads=self.torch_threads
+            model=self.model, kv_cache=self.kv_cache, scheduler=self.scheduler, torch_threads=self.torch_threads,
+            step_target_ms=self.targets.itl_ms if self.scheduler.fit_steps_to_itl_target else None,
         )
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from shared.engine.step_budget import StepBudget, attention_pairs
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
 from shared.model.runner import PHASE_SCHEDULE, PHASE_UPDATE, ModelRunner, kv_block_bytes
@@ -153,6 +155,11 @@ class Engine:
             self.kv_cache,
         )
         self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt)
+        # without chunks a prompt wider than the cap could only wait for the decodes to end
+        self.step_budget = (
+            StepBudget(settings.step_target_ms / 1000)
+            if settings.step_target_ms is not None and sched.enable_chunked_prefill else None
+        )
         self._requests: dict[ReqId, Request] = {}
         self._importing: dict[ReqId, Request] = {}
         self._rng = random.Random()
@@ -251,10 +258,12 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         with record_function(PHASE_SCHEDULE):
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(self._prompt_token_cap())
         if plan.is_empty:
             return []
+        pairs = sum(attention_pairs(n, req.num_computed_tokens) for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
         self.step_plan = plan
         try:
             result = self.runner.execute(plan)
@@ -263,7 +272,18 @@ class Engine:
         with record_function(PHASE_UPDATE):
             sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
+        if self.step_budget is not None:
+            self.step_budget.observe(plan.num_tokens, pairs, time.perf_counter() - started)
         return [self._output(req) for req in sampled]
+
+    def _prompt_token_cap(self) -> int | None:
+        """The prompt tokens this step may take: capped only while requests decode (`StepBudget`)."""
+        if self.step_budget is None:
+            return None
+        num_decoding = self.scheduler.num_decoding
+        if not num_decoding:
+            return None
+        return self.step_budget.prompt_tokens(num_decoding, self.scheduler.next_prompt_context)
 
     def _output(self, req: Request) -> RequestOutput:
         wants_logprobs = req.params.logprobs is not None

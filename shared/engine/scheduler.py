@@ -2,7 +2,10 @@
 
 Each step has a token budget and a cap on running requests. Running requests go first (a
 decode needs one token, an unfinished chunked prefill the next chunk), then waiting requests
-fill what is left, long prompts in chunks. When blocks run out, the most recently started
+fill what is left, long prompts in chunks. A step may also be given a cap on its prompt tokens
+(shared/engine/step_budget.py keeps a step beside decodes within the inter-token target); the
+decodes are not counted in it, so a chunk ahead of them in the running list never crowds them
+out of the step. When blocks run out, the most recently started
 request is preempted: its blocks are freed and it is recomputed later, reusing whatever of
 its prefix is still cached. Under the max_length reservation policy (kept to measure what
 paging buys) a request is admitted only with blocks for its whole length, so it never grows.
@@ -67,6 +70,24 @@ class StepResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+@dataclass(slots=True)
+class Budget:
+    """What is left of one step's tokens, and of its prompt tokens where they are capped."""
+
+    tokens: int
+    prompt_tokens: int | None = None
+
+    def grant(self, wanted: int) -> int:
+        """How many of the `wanted` tokens a request gets; wanting more than one, it is a prompt."""
+        granted = min(wanted, self.tokens)
+        return granted if wanted == 1 or self.prompt_tokens is None else min(granted, self.prompt_tokens)
+
+    def spend(self, wanted: int, granted: int) -> None:
+        self.tokens -= granted
+        if wanted > 1 and self.prompt_tokens is not None:
+            self.prompt_tokens -= granted
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -82,20 +103,37 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def schedule(self) -> ScheduledBatch:
+    @property
+    def num_decoding(self) -> int:
+        """Running requests whose next step computes one token: the streams a long step stalls."""
+        return sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
+
+    @property
+    def next_prompt_context(self) -> int:
+        """Tokens already computed of the prompt the next step continues first (0: a new prompt's
+        cached prefix is not looked up here)."""
+        return next((req.num_computed_tokens for req in self.running if req.num_tokens - req.num_computed_tokens > 1), 0)
+
+    def schedule(self, max_prompt_tokens: int | None = None) -> ScheduledBatch:
+        """This step's plan; with `max_prompt_tokens`, prompts (chunks of more than one token) take at
+        most that many of its tokens in all."""
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(batch, budget)
+        budget = Budget(self.config.max_num_batched_tokens, max_prompt_tokens)
+        self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         batch.block_tables = [self.kv_cache.block_ids(req.req_id) for req in batch.reqs]
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: Budget) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            wanted = req.num_tokens - req.num_computed_tokens
+            num_new = budget.grant(wanted)
+            if num_new == 0:  # a chunk, with no prompt tokens left this step
+                i += 1
+                continue
             while not self.kv_cache.allocate_slots(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -105,21 +143,19 @@ class Scheduler:
             else:
                 batch.reqs.append(req)
                 batch.num_new_tokens.append(num_new)
-                budget -= num_new
+                budget.spend(wanted, num_new)
                 i += 1
-        return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: Budget) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             holds_blocks = bool(self.kv_cache.blocks(req.req_id))
             cached = [] if holds_blocks else self.kv_cache.find_cached_prefix(req)
             num_computed = req.num_computed_tokens if holds_blocks else len(cached) * self.kv_cache.block_size
-            num_new = req.num_tokens - num_computed
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
+            wanted = req.num_tokens - num_computed
+            num_new = budget.grant(wanted)
+            if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
+                break
             if not self.kv_cache.allocate_slots(req, num_new, cached, self._tokens_to_reserve(req)):
                 break
             self.waiting.popleft()
@@ -132,7 +168,7 @@ class Scheduler:
             self.running.append(req)
             batch.reqs.append(req)
             batch.num_new_tokens.append(num_new)
-            budget -= num_new
+            budget.spend(wanted, num_new)
 
     def _tokens_to_reserve(self, req: Request) -> int:
         """Tokens whose blocks a request takes at admission: none ahead of need when paged; under

@@ -55,6 +55,25 @@ def test_running_decodes_go_first_then_waiting_prompts_fill_budget() -> None:
     assert sched.running[1].num_output_tokens == 1
 
 
+def test_a_prompt_token_cap_limits_chunks_but_not_decodes() -> None:
+    sched = make_scheduler(budget=32, num_blocks=32)
+    sched.add(make_req("long", 40, max_tokens=10))
+    assert plan(run_step(sched)) == [("long", 32)]
+    sched.add(make_req("a", 6, max_tokens=10, first_token=100))
+    sched.add(make_req("b", 6, max_tokens=10, first_token=200))
+    # the running chunk comes first in the list, yet the decodes are not in its cap
+    assert sched.num_decoding == 0 and sched.next_prompt_context == 32
+    batch = sched.schedule(max_prompt_tokens=10)
+    assert plan(batch) == [("long", 8), ("a", 2)]
+    sched.update(batch, StepResult(token_ids=[5]))
+    assert sched.num_decoding == 1 and sched.next_prompt_context == 2
+    batch = sched.schedule(max_prompt_tokens=3)
+    assert plan(batch) == [("long", 1), ("a", 3)]
+    sched.update(batch, StepResult(token_ids=[5]))
+    # a prompt's last token is one token, as a decode's
+    assert plan(sched.schedule(max_prompt_tokens=3)) == [("long", 1), ("a", 1), ("b", 3)]
+
+
 def test_finished_request_frees_blocks_in_same_step() -> None:
     sched = make_scheduler()
     sched.add(make_req("a", 5, max_tokens=2, first_token=50))

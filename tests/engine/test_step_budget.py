@@ -1,0 +1,112 @@
+"""The step budget: a cost fitted to steps' work and times, and the prompt tokens that keep a step
+beside decodes within the target; then in a real engine, a long prompt beside a decoding request."""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import pytest
+
+from shared.engine.engine import Engine
+from shared.engine.sampling_params import SamplingParams
+from shared.engine.step_budget import (
+    MIN_PROMPT_TOKENS, PROBE_PROMPT_TOKENS, SLACK, StepBudget, StepCost, attention_pairs,
+)
+from shared.model.loader import LoadedModel
+from shared.settings import EngineSettings, KVCacheSettings, ModelSettings
+
+TRUE_COST = StepCost(fixed_s=0.020, per_token_s=0.0002, per_pair_s=1e-7)
+
+
+def step_time(cost: StepCost, num_decoding: int, prompt_tokens: int, context: int) -> float:
+    return (cost.fixed_s + cost.per_token_s * (num_decoding + prompt_tokens)
+            + cost.per_pair_s * attention_pairs(prompt_tokens, context))
+
+
+def fitted(budget: StepBudget) -> tuple[float, float, float]:
+    cost = budget.cost()
+    assert cost is not None
+    return astuple(cost)
+
+
+def observe(budget: StepBudget, cost: StepCost, num_decoding: int, prompt_tokens: int, context: int) -> None:
+    budget.observe(num_decoding + prompt_tokens, attention_pairs(prompt_tokens, context),
+                   step_time(cost, num_decoding, prompt_tokens, context))
+
+
+def test_the_fit_recovers_the_cost_and_the_chunk_fills_the_target() -> None:
+    budget = StepBudget(target_s=0.2)
+    assert budget.prompt_tokens(num_decoding=8, context=0) == PROBE_PROMPT_TOKENS
+    for prompt_tokens, context in ((0, 0), (256, 0), (300, 256), (0, 0), (128, 1024), (512, 0), (64, 1800)):
+        observe(budget, TRUE_COST, 8, prompt_tokens, context)
+    assert fitted(budget) == pytest.approx(astuple(TRUE_COST), rel=1e-6)
+    for context in (0, 1000):
+        tokens = budget.prompt_tokens(num_decoding=8, context=context)
+        assert step_time(TRUE_COST, 8, tokens, context) <= (1 - SLACK) * 0.2 < step_time(TRUE_COST, 8, tokens + 1, context)
+    # later in a long prompt each token attends to more: fewer fit
+    assert budget.prompt_tokens(8, context=1000) < budget.prompt_tokens(8, context=0)
+
+
+def test_without_attention_in_the_steps_a_line_is_fitted() -> None:
+    budget = StepBudget(target_s=0.2)
+    for tokens in (1, 8, 100, 8, 300):
+        budget.observe(tokens, 0.0, 0.01 + 0.001 * tokens)
+    assert fitted(budget) == pytest.approx((0.01, 0.001, 0.0))
+    assert budget.prompt_tokens(num_decoding=10, context=0) == 160  # (0.18 - 0.01) / 0.001 - 10
+
+
+def test_a_prompt_always_advances_and_noise_alone_gives_the_probe() -> None:
+    budget = StepBudget(target_s=0.05)
+    for num_decoding in (60, 64, 60, 64):  # the decodes alone take more than the target
+        observe(budget, TRUE_COST, num_decoding, 0, 0)
+    observe(budget, TRUE_COST, 60, 100, 0)
+    assert budget.prompt_tokens(num_decoding=64, context=0) == MIN_PROMPT_TOKENS
+    still = StepBudget(target_s=0.05)
+    for _ in range(3):
+        still.observe(8, 0.0, 0.03)  # one size: the cost of a token is unknown
+    assert still.cost() is None and still.prompt_tokens(8, 0) == PROBE_PROMPT_TOKENS
+    with pytest.raises(ValueError, match="positive"):
+        StepBudget(target_s=0)
+
+
+def test_the_cost_follows_a_slower_machine_within_its_window() -> None:
+    budget = StepBudget(target_s=0.2, window=8)
+    sizes = [(0, 0), (200, 0), (0, 0), (400, 200)] * 2
+    for prompt_tokens, context in sizes:
+        observe(budget, TRUE_COST, 4, prompt_tokens, context)
+    fast = budget.prompt_tokens(4, context=0)
+    slower = StepCost(TRUE_COST.fixed_s * 2, TRUE_COST.per_token_s * 2, TRUE_COST.per_pair_s * 2)
+    for prompt_tokens, context in sizes:  # a lease took half the cores
+        observe(budget, slower, 4, prompt_tokens, context)
+    assert fitted(budget) == pytest.approx(astuple(slower), rel=1e-6)
+    assert budget.prompt_tokens(4, context=0) < fast
+
+
+def chunks_beside_a_decode(loaded_model: LoadedModel, step_target_ms: float | None) -> list[int]:
+    """The chunks a 400-token prompt is prefilled in beside a decoding request, checking that the
+    decode gets its token every step."""
+    engine = Engine(EngineSettings(
+        model=ModelSettings(dtype="float32", device="cpu"), kv_cache=KVCacheSettings(memory_bytes=64 * 2**20),
+        step_target_ms=step_target_ms,
+    ), loaded_model)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoding", list(range(100, 140)), params)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("long", list(range(1000, 1400)), SamplingParams(max_tokens=1, temperature=0.0))
+    long = engine._requests["long"]
+    chunks: list[int] = []
+    while not long.is_finished:
+        computed = long.num_computed_tokens
+        outputs = engine.step()
+        assert "decoding" in [out.req_id for out in outputs]
+        chunks.append(long.num_computed_tokens - computed)
+    return chunks
+
+
+def test_an_engine_chunks_a_prompt_beside_decodes_only_under_a_target(loaded_model: LoadedModel) -> None:
+    assert chunks_beside_a_decode(loaded_model, step_target_ms=None) == [400]
+    # no step can end within 1 ms: every chunk is the least, or the probe while the cost is unknown
+    chunks = chunks_beside_a_decode(loaded_model, step_target_ms=1.0)
+    assert sum(chunks) == 400 and len(chunks) > 1
+    assert all(chunk in (MIN_PROMPT_TOKENS, PROBE_PROMPT_TOKENS) for chunk in chunks[:-1])
