@@ -84,7 +84,8 @@ def test_a_small_sweep_calibrates_targets_and_reports_goodput(
 ) -> None:
     monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path)
     argv = ["--servers", "disaggregated", "--rates", "2,4", "--min-requests", "2", "--duration-s", "1",
-            "--input-len", "16", "--output-len", "4", "--calibration-requests", "1", "--stop-below", "0"]
+            "--input-len", "16", "--output-len", "4", "--calibration-requests", "1", "--warmup-requests", "2",
+            "--stop-below", "0"]
     assert goodput_bench.main(argv) == 0
     printed = capsys.readouterr().out
     document = json.loads((tmp_path / "goodput.json").read_text())
