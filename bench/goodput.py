@@ -156,7 +156,7 @@ def _stack(mode: str, env: dict[str, str]) -> Iterator[str]:
 def _warm_up(base_url: str, args: argparse.Namespace, vocab: Any) -> None:
     """Batches and chunks of the sizes the sweep will run, before it: a server's first steps of a
     new size build their kernels (oneDNN's, vLLM's), and a sweep that started at 4 req/s cold
-    met both targets for 37-64% of its requests there and 79-99% one rate higher (machine L)."""
+    met both targets for 11-64% of its requests there and 79-99% one rate higher (machine L)."""
     num = args.warmup_requests
     warm = warmup_requests(_workload(args, vocab, num, args.seed), vocab, args.seed, num)
     run_load(base_url, warm, LoadSpec(max_concurrency=WARMUP_CONCURRENCY, progress_interval_s=0))

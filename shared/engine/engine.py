@@ -263,7 +263,6 @@ class Engine:
             plan = self.scheduler.schedule(self._prompt_token_cap())
         if plan.is_empty:
             return []
-        pairs = sum(attention_pairs(n, req.num_computed_tokens) for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
         self.step_plan = plan
         try:
             result = self.runner.execute(plan)
@@ -273,6 +272,9 @@ class Engine:
             sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
         if self.step_budget is not None:
+            # after the update: each request's context before this step is its count less what it computed
+            pairs = sum(attention_pairs(n, req.num_computed_tokens - n)
+                        for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
             self.step_budget.observe(plan.num_tokens, pairs, time.perf_counter() - started)
         return [self._output(req) for req in sampled]
 
@@ -280,10 +282,12 @@ class Engine:
         """The prompt tokens this step may take: capped only while requests decode (`StepBudget`)."""
         if self.step_budget is None:
             return None
-        num_decoding = self.scheduler.num_decoding
+        prompt = self.scheduler.next_prompt()
+        num_decoding = self.scheduler.num_decoding if prompt is not None else 0
         if not num_decoding:
             return None
-        return self.step_budget.prompt_tokens(num_decoding, self.scheduler.next_prompt_context)
+        # a waiting prompt's cached prefix is not looked up here: its context counts as computed so far
+        return self.step_budget.prompt_tokens(num_decoding, prompt.num_computed_tokens)
 
     def _output(self, req: Request) -> RequestOutput:
         wants_logprobs = req.params.logprobs is not None

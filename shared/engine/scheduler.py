@@ -108,11 +108,10 @@ class Scheduler:
         """Running requests whose next step computes one token: the streams a long step stalls."""
         return sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
 
-    @property
-    def next_prompt_context(self) -> int:
-        """Tokens already computed of the prompt the next step continues first (0: a new prompt's
-        cached prefix is not looked up here)."""
-        return next((req.num_computed_tokens for req in self.running if req.num_tokens - req.num_computed_tokens > 1), 0)
+    def next_prompt(self) -> Request | None:
+        """The prompt the next step continues first: a running chunked prefill, else the first waiting."""
+        chunked = (req for req in self.running if req.num_tokens - req.num_computed_tokens > 1)
+        return next(chunked, self.waiting[0] if self.waiting else None)
 
     def schedule(self, max_prompt_tokens: int | None = None) -> ScheduledBatch:
         """This step's plan; with `max_prompt_tokens`, prompts (chunks of more than one token) take at

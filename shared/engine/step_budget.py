@@ -84,10 +84,8 @@ class StepBudget:
         ones = np.ones_like(tokens)
         for features in ((ones, tokens, pairs), (ones, tokens)):
             design = np.stack(features, axis=1)
-            if np.linalg.matrix_rank(design) < design.shape[1]:
-                continue
-            coef = np.linalg.lstsq(design, seconds, rcond=None)[0]
-            if (coef[1:] > 0).all():
+            coef, _, rank, _ = np.linalg.lstsq(design, seconds, rcond=None)
+            if rank == design.shape[1] and (coef[1:] > 0).all():
                 return StepCost(max(float(coef[0]), 0.0), float(coef[1]), float(coef[2]) if len(coef) == 3 else 0.0)
         return None
 

@@ -62,11 +62,11 @@ def test_a_prompt_token_cap_limits_chunks_but_not_decodes() -> None:
     sched.add(make_req("a", 6, max_tokens=10, first_token=100))
     sched.add(make_req("b", 6, max_tokens=10, first_token=200))
     # the running chunk comes first in the list, yet the decodes are not in its cap
-    assert sched.num_decoding == 0 and sched.next_prompt_context == 32
+    assert sched.num_decoding == 0 and sched.next_prompt().num_computed_tokens == 32
     batch = sched.schedule(max_prompt_tokens=10)
     assert plan(batch) == [("long", 8), ("a", 2)]
     sched.update(batch, StepResult(token_ids=[5]))
-    assert sched.num_decoding == 1 and sched.next_prompt_context == 2
+    assert sched.num_decoding == 1 and sched.next_prompt().num_computed_tokens == 2
     batch = sched.schedule(max_prompt_tokens=3)
     assert plan(batch) == [("long", 1), ("a", 3)]
     sched.update(batch, StepResult(token_ids=[5]))
