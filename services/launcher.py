@@ -156,7 +156,11 @@ class RedisServer:
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning",
         ]
-        self._process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        # its own session, as the workers': a Ctrl-C in the terminal reaches the launcher alone, which
+        # stops Redis after the workers have drained instead of while they still read from it
+        self._process = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -56,6 +56,8 @@ def test_stack_without_a_redis_url_runs_a_private_redis_and_stops_it(
         client = redis.Redis.from_url(stack.redis_url)
         assert client.ping() is True
         assert client.config_get("save") == {"save": ""}
+        # its own session: a terminal's Ctrl-C reaches the launcher, which stops Redis after the workers
+        assert os.getsid(client.info()["process_id"]) != os.getsid(0)
     with pytest.raises(redis.exceptions.ConnectionError):
         client.ping()
 
