@@ -11,9 +11,11 @@ median time to first token and `--itl-scale` times their median gap between toke
 absolute targets for every server. On a GPU give them in ms instead. This stack's servers are
 given the targets (LLMD_TARGETS__*): its decode worker paces itself to the inter-token one while
 prompts are prefilled on its cores, unless --no-pacing.
-Every rate sends the first requests of one sample at one draw of arrival gaps scaled to the rate,
-so the rates differ in load alone. Per rate it prints the share of requests meeting the TTFT target, the inter-token target (each
-request's p90 gap by default; bench/serving/attainment.py) and both; the goodput is the highest
+Every rate sends the lengths of the first requests of one sample at one draw of arrival gaps
+scaled to the rate, so the rates differ in load alone; each rate's prompts are new tokens, so no
+rate finds the prompts of the one before in the prefix cache. Per rate it prints the share of
+requests meeting the TTFT target, the inter-token target (each request's p90 gap by default;
+bench/serving/attainment.py) and both; the goodput is the highest
 rate up to which at least --share (90%) meet both. Writes bench/results/<name>.json and a plot of
 attainment against rate, bench/results/<name>.png.
 """
@@ -34,7 +36,7 @@ from matplotlib.figure import Figure
 
 from bench.serving.attainment import DEFAULT_SHARE, ITL_MEASURES, Attainment, LatencyTargets, attainment, goodput
 from bench.serving.runner import LoadSpec
-from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests
+from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
 from bench.side_by_side import vllm_server, vllm_version
 from bench.stack_harness import format_table, run_load, stack_config, vocab_ids, write_figure, write_result
 from services.launcher import Stack
@@ -42,6 +44,7 @@ from services.launcher import Stack
 SERVERS = ("disaggregated", "colocated")
 CALIBRATION_OUTPUT_TOKENS = 32
 WARMUP_CONCURRENCY = 8
+RATE_STREAM = 3  # the random streams of each rate's prompts: [sample seed, RATE_STREAM, rate's index]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,16 +186,19 @@ def calibrate(base_url: str, args: argparse.Namespace, vocab: Any) -> dict[str, 
 
 
 def sweep(label: str, base_url: str, args: argparse.Namespace, vocab: Any, targets: LatencyTargets) -> list[Attainment]:
-    # Common random numbers: every rate sends the first requests of one sample, at one draw of
-    # arrival gaps scaled to the rate, so rates differ in load alone and one unlucky burst in
-    # one rate's sample does not decide the goodput on its own.
+    # Common random numbers: every rate sends the shapes of the first requests of one sample, at
+    # one draw of arrival gaps scaled to the rate, so rates differ in load alone and one unlucky
+    # burst in one rate's sample does not decide the goodput on its own. Each rate's prompts are
+    # new tokens: the same prompts again would be prefix-cache hits, prefilled for free.
     rates = parse_rates(args.rates)
     counts = [max(args.min_requests, round(rate * args.duration_s)) for rate in rates]
-    sample = _workload(args, vocab, max(counts), args.seed + 100)
+    sample_seed = args.seed + 100
+    sample = _workload(args, vocab, max(counts), sample_seed)
     points = []
-    for rate, num in zip(rates, counts, strict=True):
+    for i, (rate, num) in enumerate(zip(rates, counts, strict=True)):
         print(f"{label}: {num} requests at {rate:g} req/s", file=sys.stderr)
-        _, results = run_load(base_url, sample[:num], LoadSpec(request_rate=rate, seed=args.seed))
+        requests = with_fresh_tokens(sample[:num], vocab, [sample_seed, RATE_STREAM, i])
+        _, results = run_load(base_url, requests, LoadSpec(request_rate=rate, seed=args.seed))
         point = attainment(rate, results, targets)
         points.append(point)
         print(f"{label} at {rate:g} req/s: TTFT {point.ttft:.0%}, inter-token {point.itl:.0%}, both {point.both:.0%}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,8 +63,14 @@ def build_workload(spec: WorkloadSpec, vocab_ids: np.ndarray, seed: int) -> list
 def warmup_requests(requests: list[BenchRequest], vocab_ids: np.ndarray, seed: int, num: int) -> list[BenchRequest]:
     """Requests shaped like the first `num` of a workload but with fresh tokens, so they warm
     the server up (compilation, allocation) without filling its prefix cache for the run."""
-    rng = np.random.default_rng([seed, 2])
-    return [_request(_tokens(rng, vocab_ids, req.num_prompt_tokens), req.max_tokens) for req in requests[:num]]
+    return with_fresh_tokens(requests[:num], vocab_ids, [seed, 2])
+
+
+def with_fresh_tokens(requests: list[BenchRequest], vocab_ids: np.ndarray, key: Sequence[int]) -> list[BenchRequest]:
+    """The same prompt and output lengths with new tokens drawn from the random stream `key`: a
+    server's prefix cache holds none of them, where it may hold the originals."""
+    rng = np.random.default_rng(list(key))
+    return [_request(_tokens(rng, vocab_ids, req.num_prompt_tokens), req.max_tokens) for req in requests]
 
 
 def vocab_from_size(vocab_size: int) -> np.ndarray:

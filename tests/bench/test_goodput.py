@@ -103,7 +103,9 @@ def test_a_small_sweep_calibrates_targets_and_reports_goodput(
     assert document["goodput"]["disaggregated"] == expected
 
 
-def test_every_rate_sends_the_first_requests_of_one_sample_at_one_draw_of_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_rate_sends_the_first_shapes_of_one_sample_as_new_prompts_at_one_draw_of_gaps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     sent: list[tuple[list[BenchRequest], LoadSpec]] = []
 
     def record(base_url: str, requests: list[BenchRequest], load: LoadSpec) -> tuple:
@@ -115,6 +117,13 @@ def test_every_rate_sends_the_first_requests_of_one_sample_at_one_draw_of_gaps(m
     points = goodput_bench.sweep("server", "http://unused", args, np.arange(1000), LatencyTargets(1000, 100))
     assert [p.num_requests for p in points] == [6, 8, 16]
     largest = sent[-1][0]
-    assert all(requests == largest[: len(requests)] for requests, _ in sent)
+    assert all(shapes(requests) == shapes(largest[: len(requests)]) for requests, _ in sent)
+    # no prompt is sent twice: a repeated one would be a prefix-cache hit on every server
+    prompts = [tuple(req.prompt) for requests, _ in sent for req in requests]
+    assert len(set(prompts)) == len(prompts)
     assert {load.seed for _, load in sent} == {args.seed}
     assert [load.request_rate for _, load in sent] == [0.5, 1, 2]
+
+
+def shapes(requests: list[BenchRequest]) -> list[tuple[int, int]]:
+    return [(req.num_prompt_tokens, req.max_tokens) for req in requests]
