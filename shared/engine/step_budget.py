@@ -25,12 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 SLACK = 0.1  # of the target, kept in hand against jitter, as the decode worker's pacing keeps
-# a prompt always advances, even where the decodes alone take the target: both targets cannot
-# hold then, and a crawling prompt would only add its wait to the miss
-MIN_PROMPT_TOKENS = 64
-# the first chunk beside decodes before two step sizes are known: small enough to be a short
-# stall on a CPU, and one step only
-PROBE_PROMPT_TOKENS = 256
+# a prompt always advances, by at least a KV block, even where the decodes alone take the target:
+# both targets cannot hold then, and a stalled prompt would only add its wait to the miss. No
+# more than a block, as on a slow CPU more would itself break the target: 64 float32 tokens
+# take 113 ms on two Zen 3 cores, beside an 87 ms target there
+MIN_PROMPT_TOKENS = 16
+# the first chunk beside decodes before two step sizes are known: a short stall even on that
+# CPU, and one step only
+PROBE_PROMPT_TOKENS = 64
 WINDOW = 64  # steps the cost is fitted to: a few seconds of steps, so it follows a changed lease
 
 

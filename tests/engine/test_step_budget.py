@@ -52,15 +52,16 @@ def test_without_attention_in_the_steps_a_line_is_fitted() -> None:
     for tokens in (1, 8, 100, 8, 300):
         budget.observe(tokens, 0.0, 0.01 + 0.001 * tokens)
     assert fitted(budget) == pytest.approx((0.01, 0.001, 0.0))
-    assert budget.prompt_tokens(num_decoding=10, context=0) == 160  # (0.18 - 0.01) / 0.001 - 10
+    # (0.18 - 0.01) / 0.001 - 10, floored: a fit a rounding error under it gives 159 (AMD's BLAS)
+    assert budget.prompt_tokens(num_decoding=10, context=0) in (159, 160)
 
 
 def test_a_prompt_always_advances_and_noise_alone_gives_the_probe() -> None:
     budget = StepBudget(target_s=0.05)
-    for num_decoding in (60, 64, 60, 64):  # the decodes alone take more than the target
+    for num_decoding in (140, 160, 140, 160):  # 160 decodes alone take 52 ms, more than the target
         observe(budget, TRUE_COST, num_decoding, 0, 0)
-    observe(budget, TRUE_COST, 60, 100, 0)
-    assert budget.prompt_tokens(num_decoding=64, context=0) == MIN_PROMPT_TOKENS
+    observe(budget, TRUE_COST, 140, 100, 0)
+    assert budget.prompt_tokens(num_decoding=160, context=0) == MIN_PROMPT_TOKENS
     still = StepBudget(target_s=0.05)
     for _ in range(3):
         still.observe(8, 0.0, 0.03)  # one size: the cost of a token is unknown
