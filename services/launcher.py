@@ -223,20 +223,28 @@ class Stack:
         cfg = self.config
         # one warning per unknown variable, here rather than from every child: the children never see them
         warn_unknown_settings({**os.environ, **cfg.env, **{k: "" for env in cfg.role_env.values() for k in env}})
-        if self.redis_url is None:
-            self._redis_server = RedisServer()
-            self.redis_url = self._redis_server.start()
-        counts = {"prefill": cfg.num_prefill, "decode": cfg.num_decode, "colocated": cfg.num_colocated}
-        num_cpus = len(os.sched_getaffinity(0))
-        elastic = TypeAdapter(bool).validate_python(
-            {**os.environ, **cfg.env}.get("LLMD_WORKER__ELASTIC_THREADS", WorkerSettings().elastic_threads)
-        )
-        self._torch_threads = num_cpus if elastic else max(1, num_cpus // max(1, sum(counts.values())))
-        names = [self.add_worker(role, wait=False) for role, n in counts.items() for _ in range(n)]
-        if cfg.gateway:
-            port = cfg.port or free_port(cfg.host)
-            self._spawn("gateway", "gateway", {"LLMD_GATEWAY__HOST": cfg.host, "LLMD_GATEWAY__PORT": str(port)})
-            self.base_url = f"http://{cfg.host}:{port}"
+        listener = self._gateway_socket() if cfg.gateway else None
+        try:
+            if self.redis_url is None:
+                self._redis_server = RedisServer()
+                self.redis_url = self._redis_server.start()
+            counts = {"prefill": cfg.num_prefill, "decode": cfg.num_decode, "colocated": cfg.num_colocated}
+            num_cpus = len(os.sched_getaffinity(0))
+            elastic = TypeAdapter(bool).validate_python(
+                {**os.environ, **cfg.env}.get("LLMD_WORKER__ELASTIC_THREADS", WorkerSettings().elastic_threads)
+            )
+            self._torch_threads = num_cpus if elastic else max(1, num_cpus // max(1, sum(counts.values())))
+            names = [self.add_worker(role, wait=False) for role, n in counts.items() for _ in range(n)]
+            if listener is not None:
+                port = listener.getsockname()[1]
+                self._spawn("gateway", "gateway", {
+                    "LLMD_GATEWAY__HOST": cfg.host, "LLMD_GATEWAY__PORT": str(port),
+                    "LLMD_GATEWAY__LISTEN_FD": str(listener.fileno()),
+                }, pass_fds=(listener.fileno(),))  # fmt: skip
+                self.base_url = f"http://{cfg.host}:{port}"
+        finally:
+            if listener is not None:
+                listener.close()  # the gateway holds its own copy
         if self._is_first_start():
             logger.info(
                 "first start: the model is converted and the C kernels are compiled, once, into %s (up to a minute "
@@ -244,6 +252,16 @@ class Stack:
             )  # fmt: skip
         self._wait_started(names)
         return self.base_url
+
+    def _gateway_socket(self) -> socket.socket:
+        """The gateway's listening socket, bound here and handed to its process: port 0 picks a free
+        port that nothing can take while the gateway starts, and a port in use fails at once."""
+        host, port = self.config.host, self.config.port
+        try:
+            return socket.create_server((host, port))
+        except OSError as e:
+            raise StackError(f"the gateway cannot listen on {host}:{port}: {os.strerror(e.errno or 0)}; stop what "
+                             "holds the port or choose another with --port") from None
 
     def _is_first_start(self) -> bool:
         """No converted model is on disk yet, and the workers will keep one (the processes log each conversion)."""
@@ -374,14 +392,15 @@ class Stack:
                 raise StackError(f"timed out after {self.config.ready_timeout_s:.0f}s waiting for {what}")
             time.sleep(0.1)
 
-    def _spawn(self, name: str, role: str, extra_env: dict[str, str], module: list[str] | None = None) -> None:
+    def _spawn(self, name: str, role: str, extra_env: dict[str, str], module: list[str] | None = None,
+               pass_fds: tuple[int, ...] = ()) -> None:
         env = {**os.environ, **self._common_env(), **extra_env}
         for unknown in unknown_settings(env):
             del env[unknown]
         # preexec_fn only makes one prctl call, resolved beforehand, so it is safe with threads
         process = subprocess.Popen(
             [sys.executable, "-m", *(module or [f"services.{role}"])], env=env, start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509
+            pass_fds=pass_fds, preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
         self.children[name] = Child(name, role, process)
         logger.info("started %s (pid %d)", name, process.pid)

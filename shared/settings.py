@@ -212,6 +212,9 @@ class GatewaySettings(BaseModel):
     gateway_id: str | None = Field(None, description="unique id (default: host-pid-random)")
     host: str = Field("127.0.0.1", description="listen address (0.0.0.0 in containers)")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI API")
+    listen_fd: int | None = Field(None, ge=0, description="serve on this inherited listening socket instead of "
+                                  "binding host:port (the launcher binds the port itself: a port in use fails at "
+                                  "once, and nothing can take it while the gateway starts)")
     api_keys: str = Field("", description="comma-separated accepted bearer tokens; empty = no auth")
     max_queued_requests: int = Field(512, ge=1, description="in-flight requests beyond which new ones get 429")
     max_queued_prompt_tokens: int = Field(1_000_000, ge=1, description="in-flight prompt tokens beyond which 429")

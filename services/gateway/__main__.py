@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from aiohttp import web
@@ -25,12 +26,16 @@ def main() -> None:
     warn_unknown_settings()
     cfg = settings.gateway
 
+    inherited = socket.socket(fileno=cfg.listen_fd) if cfg.listen_fd is not None else None
+    host, port = inherited.getsockname()[:2] if inherited is not None else (cfg.host, cfg.port)
+    where = {"sock": inherited} if inherited is not None else {"host": host, "port": port}
+
     def announce(_: str) -> None:
-        logger.info("listening on http://%s:%d", cfg.host, cfg.port)
+        logger.info("listening on http://%s:%d", host, port)
 
     try:
         web.run_app(
-            create_app(settings), host=cfg.host, port=cfg.port, handler_cancellation=True, access_log=None,
+            create_app(settings), **where, handler_cancellation=True, access_log=None,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=announce,
         )  # fmt: skip
     except ModelNotFoundError as e:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -67,6 +68,15 @@ def test_a_crashing_child_fails_start_with_its_exit_code() -> None:
                          env={"LLMD_MODEL__PATH": "/nonexistent/model.gguf"})
     with pytest.raises(StackError, match="prefill-0 exited with 1"), Stack(config):
         pass
+
+
+def test_a_gateway_port_in_use_fails_start_at_once_and_starts_nothing() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        stack = Stack(StackConfig(port=port, num_prefill=1, num_decode=1, redis_url=REDIS_URL))
+        with pytest.raises(StackError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            stack.start()
+    assert stack.children == {}
 
 
 # -- a running stack -------------------------------------------------------------------------------
@@ -160,7 +170,8 @@ def test_cli_serves_completions_and_stops_everything_on_sigterm(tmp_path: Path) 
         )
     try:
         assert launcher.stdout is not None
-        banner = next(line for line in iter(launcher.stdout.readline, "") if "ready:" in line)
+        banner = next((line for line in iter(launcher.stdout.readline, "") if "ready:" in line), None)
+        assert banner is not None, f"the launcher exited with {launcher.wait(60)} before it was ready:\n{log.read_text()}"
         match = re.search(r"ready: (http://[\d.]+:\d+) .*, model (\S+)\)", banner)
         assert match, f"no URL and model in {banner!r}"
         base_url, model = match.groups()
