@@ -36,13 +36,12 @@ from shared.metrics import WorkerMetrics
 from shared.model.paths import ModelNotFoundError, resolve_model_path
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
 from shared.settings import WorkerServiceSettings, parse_cpu_list, warn_unknown_settings
-from shared.streams import INBOX_GROUP, REDIS_ERRORS, Bus, with_backoff
+from shared.streams import INBOX_GROUP, READ_BLOCK_MS, REDIS_ERRORS, Bus, with_backoff
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, Message | None], Awaitable[None]]
 Ack = tuple[str, str, bytes]  # stream, consumer group, entry id
-READ_BLOCK_MS = 200  # how long a read may block: bounds how late a worker notices it should stop
 TRIM_EVERY_BEATS = 20
 REPORT_EVERY_S = 10.0
 

@@ -29,6 +29,9 @@ INBOX_GROUP = "worker"
 # The worker roles that can run each stage of a request: colocated workers prefill and decode
 STAGE_ROLES = {"prefill": ("prefill", "colocated"), "decode": ("decode", "colocated")}
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+# how long a blocking read may wait: it bounds how late a reader notices it should stop (a cancel
+# alone is not enough: on Python 3.11 one that lands while redis-py sends a command can be swallowed)
+READ_BLOCK_MS = 200
 T = TypeVar("T")
 
 

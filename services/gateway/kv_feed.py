@@ -18,12 +18,11 @@ from redis.exceptions import ResponseError
 
 from services.gateway.kv_index import KVIndex
 from shared.protocol import KVEvents, KVSnapshot, ProtocolError, decode
-from shared.streams import REDIS_ERRORS, Bus
+from shared.streams import READ_BLOCK_MS, REDIS_ERRORS, Bus
 
 logger = logging.getLogger(__name__)
 
 READ_COUNT = 512
-READ_BLOCK_MS = 200
 SNAPSHOT_POLL_S = 0.5
 MAX_BACKOFF_S = 2.0
 ROUTED_ROLES = ("prefill", "decode")

@@ -22,12 +22,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.gateway.inflight import InflightRequest
 from shared.protocol import Cancel, Message, TokenBatch
-from shared.streams import REDIS_ERRORS, STAGE_ROLES, Bus, with_backoff
+from shared.streams import READ_BLOCK_MS, REDIS_ERRORS, STAGE_ROLES, Bus, with_backoff
 
 logger = logging.getLogger(__name__)
 
 READ_COUNT = 512
-READ_BLOCK_MS = 1000
 MAX_BACKOFF_S = 2.0
 EPOCH_CHECK_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 2.0  # how long a request waits for the reader's start-up before a 503
@@ -67,8 +66,7 @@ class ReplyRouter:
         self._registered_at.pop(req_id, None)
 
     def stop(self) -> None:
-        """Make `run` return after the read in progress. Cancelling alone is not enough: on Python
-        3.11 a cancel that lands while redis-py sends a command can be swallowed (asyncio.wait_for)."""
+        """Make `run` return after the read in progress (at most READ_BLOCK_MS)."""
         self._stopping.set()
 
     async def run(self) -> None:
