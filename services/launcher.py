@@ -51,6 +51,8 @@ from typing import Self, get_args
 
 import redis
 from pydantic import TypeAdapter
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.pool_planner.loop import PlannerThread
 from shared.disk_cache import cache_dir
@@ -71,6 +73,7 @@ logger = logging.getLogger("launcher")
 ROLES = ("prefill", "decode", "colocated")
 PR_SET_PDEATHSIG = 1
 STILL_STARTING_EVERY_S = 15.0
+FIRST_START_PORTS = 3  # ports a private Redis tries at its first start
 
 
 class StackError(RuntimeError):
@@ -147,10 +150,27 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="llmd-redis-")
         self._process: subprocess.Popen[bytes] | None = None
+        self._started = False
 
     def start(self, timeout_s: float = 15.0) -> str:
-        """Start (or restart, on the same port) and wait until it answers."""
+        """Start (or restart, on the same port) and wait until it answers. The first start moves to
+        another free port if its own was taken between free_port() and Redis binding it."""
         binary = find_redis_server()
+        tries = 1 if self._started else FIRST_START_PORTS
+        for attempt in range(1, tries + 1):
+            if self._launch(binary, timeout_s):
+                self._started = True
+                logger.info("started %s on port %d", Path(binary).name, self.port)
+                return self.url
+            if attempt < tries:
+                logger.info("%s exited at start on port %d (taken meanwhile?); trying another port",
+                            Path(binary).name, self.port)
+                self.port = free_port()
+                self.url = f"redis://127.0.0.1:{self.port}/0"
+        raise StackError(f"{binary} did not start on port {self.port}")
+
+    def _launch(self, binary: str, timeout_s: float) -> bool:
+        """Run Redis on self.port; True once it answers, False if it exited first."""
         os.makedirs(self._dir, exist_ok=True)
         cmd = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -158,22 +178,26 @@ class RedisServer:
         ]
         # its own session, as the workers': a Ctrl-C in the terminal reaches the launcher alone, which
         # stops Redis after the workers have drained instead of while they still read from it
-        self._process = subprocess.Popen(
+        process = self._process = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        # no retries: a holder of the port that accepts and never answers costs one timeout, not four
+        client = redis.Redis(port=self.port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if self._process.poll() is not None or time.monotonic() > deadline:
-                    raise StackError(f"{binary} did not start on port {self.port}") from None
+        try:
+            while process.poll() is None:
+                try:
+                    # whoever took the port may be another Redis: only this process's answer counts
+                    if client.info("server")["process_id"] == process.pid:
+                        return True
+                except redis.exceptions.RedisError:  # not up yet, or the port's holder is not a Redis
+                    pass
+                if time.monotonic() > deadline:
+                    raise StackError(f"{binary} did not answer on port {self.port} within {timeout_s:g} s")
                 time.sleep(0.05)
-        client.close()
-        logger.info("started %s on port %d", Path(binary).name, self.port)
-        return self.url
+            return False
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self._process is not None:

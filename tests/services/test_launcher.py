@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import redis
 
-from services.launcher import Stack, StackConfig, StackError, find_redis_server
+from services import launcher
+from services.launcher import RedisServer, Stack, StackConfig, StackError, find_redis_server, free_port
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.protocol import GenerateRequest, encode
@@ -61,6 +62,21 @@ def test_stack_without_a_redis_url_runs_a_private_redis_and_stops_it(
         assert os.getsid(client.info()["process_id"]) != os.getsid(0)
     with pytest.raises(redis.exceptions.ConnectionError):
         client.ping()
+
+
+def test_a_private_redis_whose_port_was_taken_meanwhile_starts_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ports = iter([port])
+        monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(ports, None) or free_port(host))
+        server = RedisServer()
+        try:
+            assert server.port == port
+            url = server.start()
+            assert server.port != port and url == f"redis://127.0.0.1:{server.port}/0"
+            assert redis.Redis.from_url(url).ping() is True
+        finally:
+            server.stop()
 
 
 def test_a_crashing_child_fails_start_with_its_exit_code() -> None:
