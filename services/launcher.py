@@ -147,10 +147,13 @@ class RedisServer:
 
     def __init__(self) -> None:
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="llmd-redis-")
         self._process: subprocess.Popen[bytes] | None = None
         self._started = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 15.0) -> str:
         """Start (or restart, on the same port) and wait until it answers. The first start moves to
@@ -166,7 +169,6 @@ class RedisServer:
                 logger.info("%s exited at start on port %d (taken meanwhile?); trying another port",
                             Path(binary).name, self.port)
                 self.port = free_port()
-                self.url = f"redis://127.0.0.1:{self.port}/0"
         raise StackError(f"{binary} did not start on port {self.port}")
 
     def _launch(self, binary: str, timeout_s: float) -> bool:

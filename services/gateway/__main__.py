@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -26,9 +27,12 @@ def main() -> None:
     warn_unknown_settings()
     cfg = settings.gateway
 
-    inherited = socket.socket(fileno=cfg.listen_fd) if cfg.listen_fd is not None else None
-    host, port = inherited.getsockname()[:2] if inherited is not None else (cfg.host, cfg.port)
-    where = {"sock": inherited} if inherited is not None else {"host": host, "port": port}
+    where: dict[str, Any] = {"host": cfg.host, "port": cfg.port}
+    host, port = cfg.host, cfg.port
+    if cfg.listen_fd is not None:  # bound by the launcher
+        inherited = socket.socket(fileno=cfg.listen_fd)
+        host, port = inherited.getsockname()[:2]
+        where = {"sock": inherited}
 
     def announce(_: str) -> None:
         logger.info("listening on http://%s:%d", host, port)
