@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.cpu_share import CoreLease
+from services.late_gaps import LateGapLedger, PromptPauses
 from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
 from shared.model.loader import load_model
@@ -56,7 +57,10 @@ class EngineThread:
         self.after_layer: Callable[[Engine, int], None] | None = None
         self._layer = 0  # the next decoder layer of the step in progress
         self._pacer: StepPacer | None = None
+        self._pauses: PromptPauses | None = None
+        self._unfinished: frozenset[str] = frozenset()  # the engine's requests after the last call
         self.lent_s = 0.0  # seconds the engine lent its cores to a neighbour while it had work (pacing)
+        self.num_pauses = 0  # pauses the late-gap allowance bought a neighbour
 
     @property
     def engine(self) -> Engine:
@@ -103,12 +107,17 @@ class EngineThread:
                 "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, max_threads,
             )
 
-    def pace_to(self, itl_target_s: float) -> bool:
+    def pace_to(self, itl_target_s: float, percentile: int = 100, max_pause_s: float = 0.0,
+                pause_after_s: float = 0.0) -> bool:
         """Space steps as far apart as `itl_target_s` allows while a neighbour on the lease has work,
-        lending it the cores between them (services/pacing.py); False where there is no lease."""
+        lending it the cores between them (services/pacing.py); False where there is no lease. Below
+        the 100th `percentile`, also pause every stream, for up to `max_pause_s`, once a neighbour has
+        had work for `pause_after_s` and each stream can take one more late gap (services/late_gaps.py)."""
         if self._lease is None:
             return False
         self._pacer = StepPacer(itl_target_s)
+        if percentile < 100 and max_pause_s > 0:
+            self._pauses = PromptPauses(LateGapLedger(itl_target_s, percentile), pause_after_s, max_pause_s)
         return True
 
     @property
@@ -173,13 +182,24 @@ class EngineThread:
     async def _lend_until_due(self, pacer: StepPacer) -> None:
         # on the event loop, not the engine thread: calls (a commit, an abort) still run meanwhile
         assert self._lease is not None
-        pause = pacer.pause_s(self._clock())
-        if not pause or not self._lease.neighbour_has_work():
+        now, neighbour_has_work = self._clock(), self._lease.neighbour_has_work()
+        pauses = self._pauses
+        if pauses is not None:
+            pauses.neighbour(now, neighbour_has_work)
+        if not neighbour_has_work:
+            return
+        pausing = pauses if pauses is not None and pauses.due(now, self._unfinished) else None
+        if pausing is not None:
+            self.num_pauses += 1
+            pause = pausing.max_s
+        elif not (pause := pacer.pause_s(now)):
             return
         await self.call(self._lease.lend)
         lent_at = self._clock()
         deadline = lent_at + pause
         while (left := deadline - self._clock()) > 0 and self._lease.neighbour_has_work():
+            if pausing is not None and not pausing.ledger.affords_a_pause(self._unfinished):
+                break  # a request committed meanwhile: it has no gap to spare
             await asyncio.sleep(min(left, LEND_POLL_S))
         self.lent_s += self._clock() - lent_at
 
@@ -194,6 +214,9 @@ class EngineThread:
             self.busy_s += self._stepped_at - started
             if self._pacer is not None:
                 self._pacer.stepped(self._stepped_at)
+            if self._pauses is not None:
+                self._pauses.ledger.tokens(self._stepped_at, (o.req_id for o in outputs),
+                                       (o.req_id for o in outputs if o.is_finished))
         if then is not None and outputs:
             then(outputs)
         return outputs
@@ -208,6 +231,8 @@ class EngineThread:
         finally:
             if self._engine is not None:
                 self.stats = self._engine.stats()
+                if self._pauses is not None:
+                    self._unfinished = self._engine.unfinished_ids()
                 self.num_steps = self._engine.num_steps
                 if self.after_call is not None:
                     self.after_call()

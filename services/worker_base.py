@@ -475,7 +475,7 @@ class Worker:
             self.metrics.observe_engine(self.engine.stats)
         if (threads := self.engine.threads_now) is not None:
             self.metrics.torch_threads.set(threads)
-        self.metrics.observe_lent(self.engine.lent_s)
+        self.metrics.observe_pacing(self.engine.lent_s, self.engine.num_pauses)
         return self.metrics.render(), self.metrics.content_type
 
 

@@ -79,8 +79,13 @@ class WorkerMetrics:
             "llmd_lent_seconds", "Seconds a decode worker with work lent its cores to a prefilling neighbour, "
             "pacing its steps to the inter-token target (LLMD_WORKER__PACE_DECODE)."
         )
+        self.stream_pauses = counter(
+            "llmd_stream_pauses", "Times a paced decode worker paused its streams to give a long prompt beside it "
+            "every core, each stream taking one late gap within LLMD_TARGETS__ITL_PERCENTILE."
+        )
         self._last_stats: EngineStats | None = None
         self._lent_s = 0.0
+        self._stream_pauses = 0
 
     def observe_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -92,9 +97,11 @@ class WorkerMetrics:
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last_stats = stats
 
-    def observe_lent(self, total_s: float) -> None:
-        self.lent_seconds.inc(total_s - self._lent_s)
-        self._lent_s = total_s
+    def observe_pacing(self, lent_s: float, stream_pauses: int) -> None:
+        """The engine thread's running totals of time lent and pauses."""
+        self.lent_seconds.inc(lent_s - self._lent_s)
+        self.stream_pauses.inc(stream_pauses - self._stream_pauses)
+        self._lent_s, self._stream_pauses = lent_s, stream_pauses
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

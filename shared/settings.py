@@ -96,6 +96,10 @@ class LatencyTargetSettings(BaseModel):
                            "256-token prompt on a 2-core AVX2 CPU in float32)")
     itl_ms: float = Field(200.0, gt=0, description="time between two tokens of one request (default: a chat "
                           "user's reading pace, DistServe's chatbot target)")
+    itl_percentile: int = Field(
+        100, gt=0, le=100, description="itl_ms holds for this percentile of each request's gaps; below 100 (90 is "
+        "DistServe's p90) a paced decode worker pauses its streams once for a long prompt beside it, where each "
+        "stream can take one more late gap within it (services/late_gaps.py); 100: every gap")
 
 
 class _Base(BaseSettings):

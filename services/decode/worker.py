@@ -32,6 +32,7 @@ from services.decode.local_prefill import LocalPrefill
 from services.decode.reservation import Reservation
 from services.kv_transfer import KVTransferError, TransferHeader
 from services.kv_transfer.base import num_bytes
+from services.late_gaps import PAUSE_AFTER_TTFT_SHARE
 from services.token_stream import Active, TokenStream
 from services.worker_base import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
@@ -124,9 +125,20 @@ class DecodeWorker(Worker):
 
     def engine_loaded(self) -> None:
         targets = self.settings.targets
-        if self.settings.worker.pace_decode and self.engine.pace_to(targets.itl_ms / 1000):
-            logger.info("decode paced: while a neighbour on these cores prefills, tokens come up to %g ms apart "
-                        "(LLMD_TARGETS__ITL_MS) and the cores go to the prompts in between", targets.itl_ms)
+        ttft_target_s = targets.ttft_ms / 1000
+        # a pause as long as a first token may take, and never so long that it reads as a stuck engine
+        max_pause_s = min(ttft_target_s, self.settings.worker.stuck_after_s / 2)
+        if not self.settings.worker.pace_decode or not self.engine.pace_to(
+            targets.itl_ms / 1000, targets.itl_percentile, max_pause_s=max_pause_s,
+            pause_after_s=PAUSE_AFTER_TTFT_SHARE * ttft_target_s,
+        ):
+            return
+        logger.info("decode paced: while a neighbour on these cores prefills, tokens come up to %g ms apart "
+                    "(LLMD_TARGETS__ITL_MS) and the cores go to the prompts in between", targets.itl_ms)
+        if targets.itl_percentile < 100:
+            logger.info("a prompt that keeps the neighbour busy %g ms pauses the streams for up to %g ms where "
+                        "%d%% of each one's gaps still meet the target (LLMD_TARGETS__ITL_PERCENTILE)",
+                        PAUSE_AFTER_TTFT_SHARE * targets.ttft_ms, 1000 * max_pause_s, targets.itl_percentile)
 
     async def setup(self) -> None:
         await super().setup()

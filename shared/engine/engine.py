@@ -257,6 +257,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def unfinished_ids(self) -> frozenset[str]:
+        """The requests the scheduler holds, running or waiting."""
+        return frozenset(req.req_id for reqs in (self.scheduler.running, self.scheduler.waiting) for req in reqs)
+
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         with record_function(PHASE_SCHEDULE):

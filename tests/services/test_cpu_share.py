@@ -292,6 +292,51 @@ def test_a_paced_engine_lends_its_cores_between_steps_only_while_a_neighbour_has
 
 
 @pytest.mark.slow
+def test_a_paced_engine_pauses_its_streams_for_a_neighbours_prompt_only_where_they_can_take_a_late_gap(
+    host: Host, model_path: str, two_torch_threads: None
+) -> None:
+    settings = engine_settings(model_path, host.directory)
+    now = [0.0]
+
+    async def run() -> None:
+        thread = EngineThread(clock=lambda: now[0])
+        engine = await thread.load(settings)
+        # gaps of 0.95 s: on time for a 1 s target, and past the paced pause (due at 0.9 s)
+        assert thread.pace_to(1.0, percentile=90, max_pause_s=60.0, pause_after_s=0.0)
+        neighbour = host.lease("neighbour")
+        await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=30, temperature=0))
+
+        async def step_beside_a_prompt(prompt_s: float) -> list[int]:
+            """One step, 0.95 s after the last, while the neighbour has a prompt that takes `prompt_s`
+            from then; the threads the neighbour got."""
+            asker, taken = in_thread(neighbour.before_step)
+            until(lambda: host.slots()[neighbour.name] == (0, 1), "the neighbour to ask for its core")
+            now[0] += 0.95
+            step = asyncio.ensure_future(thread.step())
+            await until_awaited(lambda: taken)
+            now[0] += prompt_s
+            neighbour.after_call(has_work=False)
+            await step
+            asker.join()
+            return taken
+
+        for _ in range(4):  # the first token's gap counts as late: 4 gaps cannot spare another
+            now[0] += 0.95
+            await thread.step()
+        assert await step_beside_a_prompt(0.0) == [1]  # no pause: the step took its core back
+        for _ in range(15):
+            now[0] += 0.95
+            await thread.step()
+        # 20 gaps, 1 late: the stream can take a second late gap, so it waits for the prompt on no cores
+        assert await step_beside_a_prompt(5.0) == [2] and thread.num_pauses == 1
+        assert await step_beside_a_prompt(0.0) == [1]  # that gap is spent
+        assert thread.num_pauses == 1
+        thread.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
 def test_an_engine_thread_without_a_place_for_its_lease_runs_fixed_threads_and_says_how_to_fix_it(
     tmp_path: Path, model_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,0 +1,105 @@
+"""Which streams a decode worker may pause once, for a prompt beside it, and still keep their target.
+
+Where the inter-token target is a percentile of each request's gaps (`targets.itl_percentile`
+below 100, e.g. DistServe's p90) rather than a bound on every gap, a stream of 96 tokens meets a
+p90 target with 9 of its 95 gaps late. A paced decode worker (services/pacing.py) still holds
+every gap to the target, so a long prompt beside it is prefilled on the cores decode leaves
+between its steps and can miss its TTFT target while the streams keep their late gaps unspent.
+So the worker counts each stream's late gaps, and where every stream it holds can take one more
+and still meet its percentile, it pauses them all once and gives the prompt every core until the
+prompt is done: one late gap per stream, however long the pause. A stream whose first gap it did
+not see (from the prefill worker's first token to its own first) counts that gap as late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# A prompt that has kept the neighbour busy this share of the TTFT target is paused for: prefilled
+# on the cores paced decode leaves (about 60% of its speed alone on 2 cores), a prompt misses its
+# target from 60% of it on, and with a pause from a quarter of the target on, it meets it up to 90%;
+# a shorter one ends before the pause and leaves the streams' late gaps to the next long one.
+PAUSE_AFTER_TTFT_SHARE = 0.25
+
+
+@dataclass(slots=True)
+class _Stream:
+    token_at: float
+    gaps: int = 1  # the unseen first gap, from the prefill worker's token to this worker's first
+    late: int = 1  # ... counted late
+
+
+def late_gaps_allowed(num_gaps: int, percentile: int) -> int:
+    """The most of `num_gaps` gaps that may pass the target while their `percentile`-th percentile
+    (linear interpolation, numpy's default) does not: the percentile falls between the sorted gaps
+    at indices floor(h) and ceil(h), h = percentile/100 * (num_gaps - 1), so every gap up to index
+    ceil(h) must be on time."""
+    if num_gaps < 1:
+        return 0
+    on_time = -(-percentile * (num_gaps - 1) // 100) + 1  # ceil(h) + 1, in integers
+    return num_gaps - on_time
+
+
+class LateGapLedger:
+    """Tokens in (`tokens`, from each step's outputs), whether every stream affords one more late
+    gap out (`affords_a_pause`)."""
+
+    def __init__(self, itl_target_s: float, percentile: int) -> None:
+        if not 0 < percentile <= 100:
+            raise ValueError(f"the inter-token percentile must be in (0, 100], got {percentile}")
+        self.itl_target_s = itl_target_s
+        self.percentile = percentile
+        self._streams: dict[str, _Stream] = {}
+
+    def tokens(self, now: float, req_ids: Iterable[str], finished: Iterable[str] = ()) -> None:
+        """A step gave each of `req_ids` a token at `now`; `finished` ones are done."""
+        for req_id in req_ids:
+            stream = self._streams.get(req_id)
+            if stream is None:
+                self._streams[req_id] = _Stream(now)
+                continue
+            stream.late += now - stream.token_at > self.itl_target_s
+            stream.gaps += 1
+            stream.token_at = now
+        for req_id in finished:
+            self._streams.pop(req_id, None)
+
+    def affords_a_pause(self, req_ids: Iterable[str]) -> bool:
+        """Whether each of the streams `req_ids` (those the engine holds now) can take one more late
+        gap and still meet its percentile; one not seen yet cannot. Forgets streams no longer held
+        (aborted ones)."""
+        held = set(req_ids)
+        for gone in self._streams.keys() - held:
+            del self._streams[gone]
+        if not held:
+            return False
+        for req_id in held:
+            stream = self._streams.get(req_id)
+            if stream is None or stream.late + 1 > late_gaps_allowed(stream.gaps + 1, self.percentile):
+                return False
+        return True
+
+
+class PromptPauses:
+    """When a paced decode worker pauses its streams for a neighbour's prompt: once the neighbour has
+    been busy for `after_s` (a prompt that ends sooner would meet its target without the pause, and a
+    pause spent on it is one the next long prompt cannot have) and every stream affords a late gap;
+    for at most `max_s`, and only while every stream still does (a request committed meanwhile ends it)."""
+
+    def __init__(self, ledger: LateGapLedger, after_s: float, max_s: float) -> None:
+        self.ledger = ledger
+        self.after_s = after_s
+        self.max_s = max_s
+        self._busy_since: float | None = None
+
+    def neighbour(self, now: float, has_work: bool) -> None:
+        """What the worker saw of its neighbour at `now`, as often as it looks (before each step)."""
+        if not has_work:
+            self._busy_since = None
+        elif self._busy_since is None:
+            self._busy_since = now
+
+    def due(self, now: float, held: Iterable[str]) -> bool:
+        busy_since = self._busy_since
+        return busy_since is not None and now - busy_since >= self.after_s and self.ledger.affords_a_pause(held)

@@ -1,0 +1,83 @@
+"""LateGapLedger: a decode worker pauses its streams for a prompt only where every stream can take
+one more late gap and still meet its inter-token percentile, as the goodput benchmark reads it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.late_gaps import LateGapLedger, late_gaps_allowed
+
+TARGET_S = 0.1
+ON_TIME_S, LATE_S = 0.08, 2.0
+PAUSE_S = 1e6  # a pause's length is not known when it starts: the count must hold however long it is
+
+
+@pytest.mark.parametrize("percentile", [50, 90, 99, 100])
+def test_the_late_gaps_allowed_are_the_most_numpys_percentile_tolerates_however_late(percentile: int) -> None:
+    for num_gaps in range(1, 120):
+        allowed = late_gaps_allowed(num_gaps, percentile)
+        for late in range(num_gaps + 1):
+            gaps = [ON_TIME_S] * (num_gaps - late) + [PAUSE_S] * late
+            meets = np.percentile(gaps, percentile) <= TARGET_S
+            assert meets == (late <= allowed), (num_gaps, late, allowed)
+
+
+def step(ledger: LateGapLedger, now: float, *req_ids: str) -> float:
+    ledger.tokens(now, req_ids)
+    return now + ON_TIME_S
+
+
+def test_a_stream_affords_a_pause_once_its_on_time_gaps_cover_one_more_late_one() -> None:
+    ledger = LateGapLedger(TARGET_S, 90)
+    now = step(ledger, 0.0, "a")  # its first token here: the gap before it is counted late
+    tokens = 1
+    while not ledger.affords_a_pause({"a"}):
+        now = step(ledger, now, "a")
+        tokens += 1
+    # 20 gaps (one late) and the pause's: 2 late of 21 keep the p90 on time, 2 of 20 would not
+    assert tokens == 20
+    ledger.tokens(now + LATE_S, ["a"])  # the pause: one late gap
+    assert not ledger.affords_a_pause({"a"})
+    now += LATE_S + ON_TIME_S
+    for _ in range(10):
+        now = step(ledger, now, "a")
+    assert ledger.affords_a_pause({"a"})  # 31 gaps, 3 late with the next pause's
+
+
+def test_every_stream_held_must_afford_it_and_one_never_seen_cannot() -> None:
+    ledger = LateGapLedger(TARGET_S, 90)
+    now = 0.0
+    for _ in range(25):
+        now = step(ledger, now, "a")
+    assert ledger.affords_a_pause({"a"})
+    assert not ledger.affords_a_pause({"a", "new"})  # committed since the last step: no token seen yet
+    assert not ledger.affords_a_pause(set())  # no streams: nothing to pause
+    now = step(ledger, now, "a", "b")
+    assert not ledger.affords_a_pause({"a", "b"})  # "b" has one gap, and it counts as late
+
+
+def test_finished_and_aborted_streams_are_forgotten() -> None:
+    ledger = LateGapLedger(TARGET_S, 90)
+    now = 0.0
+    for _ in range(25):
+        now = step(ledger, now, "a", "b")
+    ledger.tokens(now, ["a", "b"], finished=["a"])
+    assert not ledger.affords_a_pause({"a", "b"})  # "a" is new again to the ledger
+    assert ledger.affords_a_pause({"b"})
+    assert not ledger.affords_a_pause({"c"})  # "b" was aborted: forgotten, and "c" never seen
+    assert not ledger.affords_a_pause({"b"})
+
+
+def test_at_the_100th_percentile_no_gap_may_be_late() -> None:
+    ledger = LateGapLedger(TARGET_S, 100)
+    now = 0.0
+    for _ in range(500):
+        now = step(ledger, now, "a")
+    assert not ledger.affords_a_pause({"a"})
+
+
+@pytest.mark.parametrize("percentile", [0, 101])
+def test_a_percentile_must_be_in_0_to_100(percentile: int) -> None:
+    with pytest.raises(ValueError, match=f"must be in \\(0, 100\\], got {percentile}"):
+        LateGapLedger(TARGET_S, percentile)
