@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop a server's sweep after a rate where fewer than this share met both")
     parser.add_argument("--no-pacing", action="store_true",
                         help="this stack's decode worker steps as fast as it can (LLMD_WORKER__PACE_DECODE=false)")
+    parser.add_argument("--pauses", action="store_true",
+                        help="this stack's decode worker spends the late gaps that the p90 measure allows on pausing "
+                        "its streams for a long prompt beside it (LLMD_TARGETS__ITL_PERCENTILE=90)")
     parser.add_argument("--calibration-requests", type=int, default=3)
     parser.add_argument("--warmup-requests", type=int, default=32,
                         help="untimed requests of the mix's shapes each server answers, 8 at a time, before its sweep")
@@ -98,6 +101,10 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         parser.error("--ttft-ms and --itl-ms go together (or neither, to calibrate)")
     if not 0 < args.share <= 1:
         parser.error(f"--share must be in (0, 1], got {args.share}")
+    if args.pauses and args.itl_measure != "p90":
+        parser.error(f"--pauses spends the late gaps that the p90 measure allows: not with --itl-measure {args.itl_measure}")
+    if args.pauses and args.no_pacing:
+        parser.error("--pauses is part of a paced decode worker's pacing: not with --no-pacing")
     try:
         parse_rates(args.rates)
     except ValueError as e:
@@ -122,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         targets = LatencyTargets(args.ttft_ms, args.itl_ms, args.itl_measure)
 
+    percentile = 90 if args.pauses else 100
     env = {"LLMD_TARGETS__TTFT_MS": f"{targets.ttft_ms:g}", "LLMD_TARGETS__ITL_MS": f"{targets.itl_ms:g}",
-           "LLMD_WORKER__PACE_DECODE": str(not args.no_pacing).lower()}
+           "LLMD_TARGETS__ITL_PERCENTILE": str(percentile), "LLMD_WORKER__PACE_DECODE": str(not args.no_pacing).lower()}
     starters: dict[str, Callable[[], AbstractContextManager[str]]] = {
         mode: functools.partial(_stack, mode, env) for mode in servers}
     if args.vllm is not None:

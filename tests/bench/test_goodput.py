@@ -77,6 +77,13 @@ def test_targets_and_rates_are_checked() -> None:
         goodput_bench.main(["--ttft-ms", "100"])
 
 
+@pytest.mark.parametrize("flags", [["--itl-measure", "mean"], ["--no-pacing"]])
+def test_pauses_need_the_p90_measure_and_pacing(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        goodput_bench.main(["--pauses", *flags])
+    assert "--pauses" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_small_sweep_calibrates_targets_and_reports_goodput(
