@@ -194,11 +194,12 @@ class EngineThread:
             pause = pausing.max_s
         elif not (pause := pacer.pause_s(now)):
             return
+        paused = self._unfinished
         await self.call(self._lease.lend)
         lent_at = self._clock()
         deadline = lent_at + pause
         while (left := deadline - self._clock()) > 0 and self._lease.neighbour_has_work():
-            if pausing is not None and not pausing.ledger.affords_a_pause(self._unfinished):
+            if pausing is not None and not self._unfinished <= paused:
                 break  # a request committed meanwhile: it has no gap to spare
             await asyncio.sleep(min(left, LEND_POLL_S))
         self.lent_s += self._clock() - lent_at
@@ -215,8 +216,7 @@ class EngineThread:
             if self._pacer is not None:
                 self._pacer.stepped(self._stepped_at)
             if self._pauses is not None:
-                self._pauses.ledger.tokens(self._stepped_at, (o.req_id for o in outputs),
-                                       (o.req_id for o in outputs if o.is_finished))
+                self._pauses.stepped(self._stepped_at, outputs)
         if then is not None and outputs:
             then(outputs)
         return outputs

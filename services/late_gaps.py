@@ -13,8 +13,10 @@ not see (from the prefill worker's first token to its own first) counts that gap
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from shared.engine.engine import RequestOutput
 
 # A prompt that has kept the neighbour busy this share of the TTFT target is paused for: prefilled
 # on the cores paced decode leaves (about 60% of its speed alone on 2 cores), a prompt misses its
@@ -85,13 +87,17 @@ class PromptPauses:
     """When a paced decode worker pauses its streams for a neighbour's prompt: once the neighbour has
     been busy for `after_s` (a prompt that ends sooner would meet its target without the pause, and a
     pause spent on it is one the next long prompt cannot have) and every stream affords a late gap;
-    for at most `max_s`, and only while every stream still does (a request committed meanwhile ends it)."""
+    for at most `max_s` (a request committed meanwhile ends it: it has no gap to spare)."""
 
     def __init__(self, ledger: LateGapLedger, after_s: float, max_s: float) -> None:
         self.ledger = ledger
         self.after_s = after_s
         self.max_s = max_s
         self._busy_since: float | None = None
+
+    def stepped(self, now: float, outputs: Sequence[RequestOutput]) -> None:
+        """A step's tokens, for the ledger."""
+        self.ledger.tokens(now, (o.req_id for o in outputs), (o.req_id for o in outputs if o.is_finished))
 
     def neighbour(self, now: float, has_work: bool) -> None:
         """What the worker saw of its neighbour at `now`, as often as it looks (before each step)."""
