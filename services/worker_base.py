@@ -228,6 +228,10 @@ class Worker:
         logger.info("drained" if not self.stopped.is_set() else "stopping with work still held")
 
     async def close(self) -> None:
+        # stopping as well: the loops that read only until a drain begins must end too, and cancelling
+        # them is not enough (on Python 3.11 a cancel that lands while redis-py sends a command can be
+        # swallowed, and the loop would read on forever while this waits for it)
+        self.stopping.set()
         self.stopped.set()
         for task in [*self._tasks, *self._helpers]:
             task.cancel()

@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ from shared.settings import KVCacheSettings, ModelSettings, RedisSettings, Worke
 from shared.streams import INBOX_GROUP, with_backoff
 from tests.services.stack_client import (
     REDIS_URL,
+    WAIT_S,
     FakeGateway,
     block_bytes,
     eventually,
@@ -219,8 +221,8 @@ async def test_a_burst_of_offers_is_answered_within_a_step_or_two_not_one_step_e
         await answer(offer, held)
 
     worker._answer = answer_and_note_the_step  # type: ignore[method-assign]
-    await worker.start(handle_signals=False)
     try:
+        await worker.start(handle_signals=False)
         engine = worker.engine.engine
         busy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
         await worker.engine.call(engine.add_request, "busy", prompt(64, 9), busy)
@@ -461,6 +463,38 @@ async def test_a_reader_survives_redis_restarting_and_recreates_its_consumer_gro
         await worker.bus.close()
         worker.engine.shutdown()
         await asyncio.to_thread(server.stop)
+
+
+async def test_close_ends_a_reader_that_swallowed_its_cancel() -> None:
+    """A reader that runs until the drain begins, whose cancel redis-py swallowed (as it can on Python
+    3.11 when the cancel lands mid-command): close() must still end it instead of waiting forever."""
+    worker = DecodeWorker(WorkerServiceSettings(
+        redis=RedisSettings(url=REDIS_URL, namespace=f"test-close-{uuid.uuid4().hex[:8]}"),
+        worker=WorkerSettings(worker_id="d-close"),
+    ))
+    read_group = worker.bus.read_group
+    swallowed: list[bool] = []
+
+    async def read_swallowing_one_cancel(*args: Any) -> list[tuple[bytes, Message | None]]:
+        try:
+            return await read_group(*args)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)
+            return []
+
+    worker.bus.read_group = read_swallowing_one_cancel  # type: ignore[method-assign]
+
+    async def handle(entry_id: bytes, msg: Message | None) -> None:
+        raise AssertionError("nothing is sent")
+
+    await worker.setup()
+    worker._tasks = [asyncio.create_task(worker.consume(worker.inbox, INBOX_GROUP, handle, lambda: 8, worker.stopping))]
+    await asyncio.sleep(0.1)  # the reader is inside a blocking read
+    async with asyncio.timeout(WAIT_S):
+        await worker.close()
+    assert swallowed == [True]
 
 
 @pytest.mark.parametrize("worker_cls", [PrefillWorker, DecodeWorker])
