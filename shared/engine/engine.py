@@ -134,8 +134,6 @@ class Engine:
         device = resolve_device(settings.model.device)
         dtype = resolve_dtype(settings.model.dtype, device)
         self.model_path = loaded.path
-        self.max_model_len = min(settings.model.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
         model = LlamaModel(self.config, loaded.weights, dtype, device, loaded.quantized)
         kv = settings.kv_cache
         kv_fmt = kv_format(kv.dtype, dtype)
@@ -147,6 +145,18 @@ class Engine:
                 f"KV budget of {budget} bytes holds {num_blocks} blocks of {block_bytes} bytes; at least 2 are needed"
             )
         self.block_size = kv.block_size
+        model_len = min(settings.model.max_model_len or self.config.max_position_embeddings,
+                        self.config.max_position_embeddings)
+        # a request longer than the whole pool, once preempted, could never be scheduled again: the
+        # pool bounds the context as the model does
+        self.max_model_len = min(model_len, num_blocks * kv.block_size)
+        self.context_bound = "this model's context" if self.max_model_len == model_len else "this worker's KV cache"
+        if self.max_model_len < model_len:
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks), fewer than the model's context of %d: requests end at "
+                "%d tokens; raise LLMD_KV_CACHE__MEMORY_BYTES or LLMD_KV_CACHE__MEMORY_FRACTION for longer ones",
+                self.max_model_len, num_blocks, model_len, self.max_model_len,
+            )
         self.kv_cache = KVCacheManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
         sched = settings.scheduler
         self.scheduler = Scheduler(
@@ -222,7 +232,7 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is {self.max_model_len} "
+                f"the prompt has {len(prompt_token_ids)} tokens; {self.context_bound} holds {self.max_model_len} "
                 f"tokens, so prompts may have at most {self.max_model_len - 1}",
             )
         vocab = self.config.vocab_size
