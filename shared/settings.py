@@ -61,6 +61,9 @@ class SchedulerSettings(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=16, description="token budget of one engine step")
     max_num_seqs: int = Field(128, ge=1, description="cap on requests running at once")
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="with chunked prefill, the most prompt tokens one request takes in a step, so that "
+        "shorter prompts behind a long one are prefilled beside its chunks instead of after it; 0: no cap")
     kv_reservation: KVReservation = Field(
         "paged", description="paged: KV blocks are taken as a request grows; max_length: a request is admitted only "
         "when blocks for its prompt + max_tokens are free, and takes them all at admission (as servers before "

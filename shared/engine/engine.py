@@ -161,7 +161,7 @@ class Engine:
         sched = settings.scheduler
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill,
-                            sched.kv_reservation),
+                            sched.kv_reservation, sched.long_prefill_token_threshold),
             self.kv_cache,
         )
         self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt)

@@ -28,10 +28,16 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     kv_reservation: KVReservation = "paged"
+    # with chunked prefill, the most prompt tokens one request takes in a step; 0: no cap
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be 0 (off) or more, got {self.long_prefill_token_threshold}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.kv_reservation not in get_args(KVReservation):
@@ -76,11 +82,16 @@ class Budget:
 
     tokens: int
     prompt_tokens: int | None = None
+    per_prompt: int | None = None  # the most one prompt takes
 
     def grant(self, wanted: int) -> int:
         """How many of the `wanted` tokens a request gets; wanting more than one, it is a prompt."""
         granted = min(wanted, self.tokens)
-        return granted if wanted == 1 or self.prompt_tokens is None else min(granted, self.prompt_tokens)
+        if wanted == 1:
+            return granted
+        if self.per_prompt is not None:
+            granted = min(granted, self.per_prompt)
+        return granted if self.prompt_tokens is None else min(granted, self.prompt_tokens)
 
     def spend(self, wanted: int, granted: int) -> None:
         self.tokens -= granted
@@ -117,7 +128,11 @@ class Scheduler:
         """This step's plan; with `max_prompt_tokens`, prompts (chunks of more than one token) take at
         most that many of its tokens in all."""
         batch = ScheduledBatch()
-        budget = Budget(self.config.max_num_batched_tokens, max_prompt_tokens)
+        cap = self.config.long_prefill_token_threshold
+        # a long prompt taking part of each step, not all of it, lets a short one that came after it
+        # finish in the next step instead of after the long one's last
+        per_prompt = cap if cap and self.config.enable_chunked_prefill else None
+        budget = Budget(self.config.max_num_batched_tokens, max_prompt_tokens, per_prompt)
         self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)

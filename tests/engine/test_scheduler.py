@@ -74,6 +74,19 @@ def test_a_prompt_token_cap_limits_chunks_but_not_decodes() -> None:
     assert plan(sched.schedule(max_prompt_tokens=3)) == [("long", 1), ("a", 1), ("b", 3)]
 
 
+def test_a_long_prompt_takes_at_most_its_threshold_a_step_and_a_short_one_beside_it_finishes_first() -> None:
+    kv = KVCacheManager(32, BLOCK_SIZE, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(32, 8, enable_chunked_prefill=True, long_prefill_token_threshold=12), kv)
+    sched.add(make_req("long", 40, max_tokens=2))
+    assert plan(run_step(sched)) == [("long", 12)]
+    sched.add(make_req("short", 10, max_tokens=2, first_token=100))  # came during the long one's first chunk
+    assert plan(run_step(sched)) == [("long", 12), ("short", 10)]
+    assert sched.running[1].num_output_tokens == 1  # its first token, two chunks before the long one's
+    assert plan(run_step(sched)) == [("long", 12), ("short", 1)]
+    assert plan(run_step(sched)) == [("long", 4)]
+    assert sched.running[0].num_output_tokens == 1
+
+
 def test_finished_request_frees_blocks_in_same_step() -> None:
     sched = make_scheduler()
     sched.add(make_req("a", 5, max_tokens=2, first_token=50))
