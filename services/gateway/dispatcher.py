@@ -48,11 +48,11 @@ class Dispatcher:
 
     async def submit(self, reqs: list[InflightRequest]) -> None:
         """Queue `reqs` for the prefill pool; their replies are routed from now on."""
-        await self._router.wait_ready()
-        for req in reqs:
-            self._router.register(req)  # before the XADD, so no reply can arrive unrouted
-            self._inflight[req.req_id] = req
         try:
+            await self._router.wait_ready()
+            for req in reqs:
+                self._router.register(req)  # before the XADD, so no reply can arrive unrouted
+                self._inflight[req.req_id] = req
             for req in reqs:  # in order: a request's choices reach the workers first to last
                 await self._queue(req)
         except REDIS_ERRORS as e:

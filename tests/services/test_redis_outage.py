@@ -4,6 +4,7 @@ stopped and started again empty, while the test plays the workers through `Bus`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -39,6 +40,13 @@ async def bus(redis_server: RedisServer) -> AsyncIterator[Bus]:
 
 @pytest.fixture
 async def client(bus: Bus, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TestClient]:
+    async with _client(bus, tokenizer, monkeypatch) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def _client(bus: Bus, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[TestClient]:
+    """The gateway's real app on `bus`'s Redis, started now."""
     monkeypatch.setenv("LLMD_REDIS__URL", bus.settings.url)
     monkeypatch.setenv("LLMD_REDIS__NAMESPACE", bus.settings.namespace)
     monkeypatch.setenv("LLMD_REDIS__SOCKET_TIMEOUT_S", "2")
@@ -117,6 +125,24 @@ async def test_redis_down_is_503_with_retry_after_and_recovers_without_restart(
     await worker.heartbeat("decode", "decode-1")
     async with client.get("/ready") as resp:
         assert resp.status == 200
+
+
+async def test_a_gateway_started_while_redis_is_down_answers_503_until_it_is_back(
+    bus: Bus, tokenizer: Tokenizer, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await asyncio.to_thread(redis_server.stop)  # before the gateway's reply reader ever reached Redis
+    async with _client(bus, tokenizer, monkeypatch) as client:
+        status, body, headers = await post(client, "/v1/completions", {"prompt": "Hello"})
+        assert (status, headers["Retry-After"], body["error"]["message"]) == (
+            503, "1", "The request queue (Redis) is unavailable; retry later.",
+        )  # fmt: skip
+
+        await asyncio.to_thread(redis_server.start)
+        await bus.redis.connection_pool.disconnect()
+        worker = FakeWorker(bus)
+        call = asyncio.create_task(post(client, "/v1/completions", {"prompt": "Hello"}))
+        await worker.reply(await next_request(worker), [WORLD], finish_reason="stop")
+        assert (await call)[0] == 200
 
 
 async def test_a_request_is_not_requeued_while_redis_keeps_its_data(client: TestClient, bus: Bus) -> None:
