@@ -19,6 +19,7 @@ from collections import deque
 
 from shared.engine.block_pool import BlockPool
 from shared.engine.kv_events import BlockEventLog
+from shared.outage_log import OutageLog
 from shared.protocol import KVEvents, KVSnapshot, encode
 from shared.settings import KVEventSettings
 from shared.streams import REDIS_ERRORS, Bus
@@ -71,6 +72,8 @@ class KVEventPublisher:
     def __init__(self, bus: Bus, source: KVEventSource, settings: KVEventSettings) -> None:
         self.bus, self.source, self.settings = bus, source, settings
         self.wake = asyncio.Event()
+        # events not sent are dropped: readers see the gap and wait for a snapshot
+        self._outage = OutageLog(logger, "publishing KV events")
         self._snapshot_seq: int | None = None
         self._snapshot_at = 0.0  # monotonic
         self._checked_at = 0.0  # monotonic: the last look for the snapshot's key
@@ -86,8 +89,9 @@ class KVEventPublisher:
                       approximate=True)
         try:
             await pipe.execute()
-        except REDIS_ERRORS as e:  # readers see the gap and wait for a snapshot
-            logger.warning("dropping %d KV event messages: Redis unavailable (%s)", len(batch), e)
+            self._outage.recovered()
+        except REDIS_ERRORS as e:
+            self._outage.failed(e)
 
     async def snapshot_due(self) -> bool:
         """At most once an interval: when the cache changed, when the last snapshot nears its TTL, or

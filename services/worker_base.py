@@ -34,6 +34,7 @@ from services.kv_transfer import kv_transports
 from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.paths import ModelNotFoundError, resolve_model_path
+from shared.outage_log import OutageLog
 from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
 from shared.settings import WorkerServiceSettings, parse_cpu_list, warn_unknown_settings
 from shared.streams import INBOX_GROUP, READ_BLOCK_MS, REDIS_ERRORS, Bus, with_backoff
@@ -133,6 +134,8 @@ class Worker:
         self.unhandled: dict[str, set[bytes]] = defaultdict(set)
         self._work = asyncio.Event()
         self._beat_now = asyncio.Event()
+        self._beat_outage = OutageLog(logger, "heartbeat")
+        self._status_published_at = time.monotonic()
         self._is_stuck = False
         self._tasks: list[asyncio.Task[None]] = []
         self._helpers: set[asyncio.Task[Any]] = set()
@@ -224,6 +227,14 @@ class Worker:
         self.draining = True
         self.beat_now()
         while not self.stopped.is_set() and not (self.is_idle() and not self.engine.has_work):
+            if self.heartbeat_lapsed():
+                # its work is re-queued elsewhere by now, and what it computes cannot be delivered
+                logger.error(
+                    "no heartbeat reached Redis for over %.0fs while draining: the held work is taken over "
+                    "by other workers, stopping", self.settings.worker.heartbeat_ttl_s,
+                )  # fmt: skip
+                self.stopped.set()
+                break
             await _wait(self.stopped, 0.05)
         logger.info("drained" if not self.stopped.is_set() else "stopping with work still held")
 
@@ -306,6 +317,7 @@ class Worker:
         Survives Redis going away (retries with backoff) and losing the group (recreates it).
         """
         delay = 0.05
+        outage = OutageLog(logger, f"reading {stream}")
         while not until.is_set():
             count = capacity()
             if count <= 0:
@@ -314,6 +326,7 @@ class Worker:
                 continue
             try:
                 entries = await self.bus.read_group(stream, group, self.worker_id, count, READ_BLOCK_MS)
+                outage.recovered()
                 delay = 0.05
             except ResponseError as e:
                 if "NOGROUP" in str(e):
@@ -325,7 +338,7 @@ class Worker:
                 delay = min(delay * 2, 2.0)
                 continue
             except REDIS_ERRORS as e:
-                logger.warning("reading %s: Redis unavailable (%s); retrying in %.2fs", stream, e, delay)
+                outage.failed(e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
@@ -371,6 +384,7 @@ class Worker:
     async def _kv_events_loop(self, publisher: KVEventPublisher) -> None:
         """Events out as they come; a snapshot every snapshot_interval_s while the cache changes."""
         pool = self.engine.engine.kv_cache.pool
+        snapshot_outage = OutageLog(logger, "KV snapshot")
         while not self.stopped.is_set():
             await _wait(publisher.wake, publisher.settings.snapshot_interval_s)
             publisher.wake.clear()
@@ -380,8 +394,9 @@ class Worker:
                     snap = await self.engine.call(self.kv_events.snapshot, pool)
                     await publisher.publish_events()  # what the snapshot collected goes out before it
                     await publisher.publish_snapshot(snap)
+                snapshot_outage.recovered()
             except REDIS_ERRORS as e:
-                logger.warning("KV snapshot: Redis unavailable (%s)", e)
+                snapshot_outage.failed(e)
 
     # -- heartbeat -------------------------------------------------------------------------------
 
@@ -414,6 +429,12 @@ class Worker:
 
     async def _publish_status(self) -> None:
         await self.bus.publish_status(self.status(), self.settings.worker.heartbeat_ttl_s)
+        self._status_published_at = time.monotonic()
+
+    def heartbeat_lapsed(self) -> bool:
+        """True once the last heartbeat Redis took has expired: the gateways and the other workers
+        then count this worker as dead and re-queue what it holds elsewhere."""
+        return time.monotonic() - self._status_published_at > self.settings.worker.heartbeat_ttl_s
 
     async def _heartbeat_loop(self) -> None:
         """A worker whose engine stalls stops beating, so the others treat it as dead."""
@@ -450,8 +471,9 @@ class Worker:
             await self._publish_status()
             if num_beats % TRIM_EVERY_BEATS == 0:
                 await self.trim()
+            self._beat_outage.recovered()
         except REDIS_ERRORS as e:
-            logger.warning("heartbeat: Redis unavailable (%s)", e)
+            self._beat_outage.failed(e)
         except ResponseError as e:
             logger.warning("heartbeat: %s", e)
 

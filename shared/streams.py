@@ -19,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.outage_log import OutageLog
 from shared.protocol import Message, WorkerStatus, decode, encode
 from shared.settings import RedisSettings
 
@@ -196,13 +197,17 @@ async def with_backoff(
 ) -> T | None:
     """Retry `op` on Redis connection errors with exponential backoff; None if `stop` was set meanwhile."""
     delay = 0.05
+    outage = OutageLog(logger, what)
     while stop is None or not stop.is_set():
         try:
-            return await op()
+            result = await op()
         except REDIS_ERRORS as e:
-            logger.warning("%s: Redis unavailable (%s); retrying in %.2fs", what, e, delay)
+            outage.failed(e)
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay_s)
+        else:
+            outage.recovered()
+            return result
     return None
 
 

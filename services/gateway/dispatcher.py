@@ -22,6 +22,7 @@ from services.gateway.inflight import InflightRequest
 from services.gateway.openai_schema import ApiError
 from services.gateway.replies import ReplyRouter, cancel_on_holders
 from services.gateway.router import Router
+from shared.outage_log import OutageLog
 from shared.protocol import WorkerStatus, decode
 from shared.streams import REDIS_ERRORS, STAGE_ROLES, Bus
 
@@ -95,6 +96,7 @@ class Dispatcher:
 
     async def watch(self) -> None:
         """Migrate the requests of dead decode workers until stopped; rides out Redis outages."""
+        outage = OutageLog(logger, "checking the holders of in-flight requests")
         while not self._stopping.is_set():
             try:
                 async with asyncio.timeout(WATCH_INTERVAL_S):
@@ -105,8 +107,9 @@ class Dispatcher:
                 continue
             try:
                 await self.migrate_from_dead()
+                outage.recovered()
             except REDIS_ERRORS as e:
-                logger.warning("checking the holders of in-flight requests: Redis unavailable (%s)", e)
+                outage.failed(e)
 
     async def migrate_from_dead(self) -> list[InflightRequest]:
         """Re-queue every unfinished request held by a dead decode worker; returns them."""

@@ -21,6 +21,7 @@ import time
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.gateway.inflight import InflightRequest
+from shared.outage_log import OutageLog
 from shared.protocol import Cancel, Message, TokenBatch
 from shared.streams import READ_BLOCK_MS, REDIS_ERRORS, STAGE_ROLES, Bus, with_backoff
 
@@ -77,6 +78,7 @@ class ReplyRouter:
         self._ready.set()
         last_id = b"0-0"
         delay = 0.05
+        outage = OutageLog(logger, f"reading {self.stream}")
         while not self._stopping.is_set():
             try:
                 if time.monotonic() - self._epoch_checked_at >= EPOCH_CHECK_INTERVAL_S and not await self._check_epoch():
@@ -88,9 +90,10 @@ class ReplyRouter:
                     self._route_all([msg for _, msg in entries])
                     last_id = entries[-1][0]
                     await self._bus.redis.xtrim(self.stream, minid=_next_id(last_id), approximate=False)
+                outage.recovered()
                 delay = 0.05
             except REDIS_ERRORS as e:
-                logger.warning("reading %s: Redis unavailable (%s); retrying in %.2fs", self.stream, e, delay)
+                outage.failed(e)
                 self._epoch_checked_at = 0.0  # check at once when Redis is back
                 self._failed_at = time.monotonic()
                 await asyncio.sleep(delay)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,7 @@ from services.gateway.app import create_app
 from services.launcher import RedisServer
 from shared.protocol import Cancel, GenerateRequest
 from shared.settings import GatewayServiceSettings, RedisSettings
-from shared.streams import Bus
+from shared.streams import Bus, with_backoff
 from shared.text.tokenizer import Tokenizer
 from tests.services.test_gateway import (
     BANG,
@@ -171,3 +172,22 @@ async def test_connections_pooled_before_a_restart_serve_the_commands_after_it(
     keys = [f"{bus.keys.namespace}:after:{i}" for i in range(4)]
     await asyncio.gather(*(bus.redis.set(key, 1) for key in keys))
     assert await bus.redis.exists(*keys) == 4
+
+
+async def test_an_outage_is_logged_once_when_it_begins_and_once_when_it_ends(
+    bus: Bus, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    await asyncio.to_thread(redis_server.stop)
+    caplog.set_level(logging.INFO, logger="shared.streams")
+    write = asyncio.create_task(with_backoff(lambda: bus.redis.set(f"{bus.keys.namespace}:k", 1), "writing k"))
+    await eventually(lambda: _failure_logged(caplog))
+    await asyncio.sleep(1.0)  # several more retries (50, 100, 200, 400 ms apart)
+    await asyncio.to_thread(redis_server.start)
+    assert await write is True
+    lines = [(r.levelname, r.message.split(" (")[0].split(" after")[0]) for r in caplog.records
+             if r.message.startswith("writing k")]
+    assert lines == [("WARNING", "writing k: Redis unavailable"), ("INFO", "writing k: Redis reachable again")]
+
+
+async def _failure_logged(caplog: pytest.LogCaptureFixture) -> bool:
+    return any(r.message.startswith("writing k: Redis unavailable") for r in caplog.records)

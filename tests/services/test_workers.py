@@ -251,6 +251,37 @@ async def test_a_burst_of_offers_is_answered_within_a_step_or_two_not_one_step_e
         await worker.close()
 
 
+async def test_a_drain_ends_once_redis_has_been_gone_longer_than_the_heartbeat_ttl(
+    loaded_model: LoadedModel, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker told to drain while Redis is down cannot deliver what it computes, and once its
+    heartbeat has lapsed the others have taken its work over: it stops instead of draining forever,
+    and the outage costs one warning per loop, not one per retry."""
+    settings = WorkerServiceSettings(
+        redis=RedisSettings(url=redis_server.url, namespace=f"test-drain-{uuid.uuid4().hex[:8]}", socket_timeout_s=1),
+        model=ModelSettings(dtype="float32"),
+        kv_cache=KVCacheSettings(memory_bytes=NUM_BLOCKS * block_bytes(loaded_model)),
+        worker=WorkerSettings(worker_id="decode-drain", health_port=0, heartbeat_interval_s=0.2, heartbeat_ttl_s=2),
+    )
+    worker = DecodeWorker(settings)
+    try:
+        await worker.start(handle_signals=False)
+        busy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+        await worker.engine.call(worker.engine.engine.add_request, "held", prompt(64, 3), busy)
+        worker.wake_engine()
+        await asyncio.to_thread(redis_server.stop)
+        worker.request_stop()
+        async with asyncio.timeout(WAIT_S):
+            await worker._drain_when_asked()
+        assert worker.stopped.is_set() and worker.engine.has_work
+        assert any("no heartbeat reached Redis for over 2s while draining" in r.message for r in caplog.records)
+        heartbeat_warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.message.startswith("heartbeat")]
+        assert len(heartbeat_warnings) == 1, [r.message for r in heartbeat_warnings]
+    finally:
+        worker.stopped.set()
+        await worker.close()
+
+
 async def _read_one(gateway: FakeGateway, stream: str) -> object:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
