@@ -17,10 +17,6 @@ class OutageLog:
         self._since: float | None = None  # monotonic: the first failure of the outage in progress
         self._failures = 0
 
-    @property
-    def in_outage(self) -> bool:
-        return self._since is not None
-
     def failed(self, error: BaseException) -> None:
         """Warn at the first failure of an outage; later ones go to the debug log."""
         self._failures += 1
