@@ -7,40 +7,49 @@
  * a fifth of a prefill step of 256-token prompts, half of one of a 2,048-token prompt.
  *
  * A work item is one kv head of up to ITEM_TOKENS consecutive query tokens of one request: its
- * rows are those tokens' query heads of that kv head's GQA group, scaled and widened to float32
- * once. Row r of request i sits at position seq_len - q_len + t (bottom-right causal, as the
- * reference's mask), and sees keys 0 .. that position. A row's maximum is never -inf: its first
- * block holds key 0, and masked scores are a large finite negative, as -ffast-math assumes no
- * infinities. Items run in reverse order, so the longest (a request's last tokens) start first.
+ * rows are those tokens' query heads of that kv head's GQA group. Row r of request i sits at
+ * position seq_len - q_len + t (bottom-right causal, as the reference's mask), and sees keys
+ * 0 .. that position. A row's maximum is never -inf: its first block holds key 0, and masked
+ * scores are a large finite negative, as -ffast-math assumes no infinities. Items run in reverse
+ * order, so the longest (a request's last tokens) start first.
  *
- * In float32 (and bf16 without the dot products below) the item walks its keys KEY_BLOCK at a
- * time, each block widened once into float32 and shared by all its rows: the keys transposed
- * (dims x keys), the values as they are. A block is two small matrix products with the online
- * softmax between them, computed MICRO_ROWS rows at a time by one register-blocked kernel (see
- * micro_product): the scores of those rows, then their softmax (a horizontal max, and a rescaling
- * of a row's output only where its max grew), then their output. On one Zen 3 core, float32,
- * 9 query heads on 3 kv heads, a layer: 8 prompts of 256 tokens 40 -> 20 ms, one of 2,048 tokens
- * 237 -> 126 ms against the tiles of LANES keys this path had before (those the dot path keeps).
+ * In float32 (and bf16 without the dot products below) the item's queries are scaled and widened
+ * to float32 once, and it walks its keys KEY_BLOCK at a time, each block widened once into
+ * float32 and shared by all its rows: the keys transposed (dims x keys), the values as they are.
+ * A block is two small matrix products with the online softmax between them, computed
+ * MICRO_ROWS rows at a time by one register-blocked kernel (see micro_product): the scores of
+ * those rows, then their softmax (a horizontal max, and a rescaling of a row's output only where
+ * its max grew), then their output. On one Zen 3 core, float32, 9 query heads on 3 kv heads, a
+ * layer: 8 prompts of 256 tokens 40 -> 20 ms, one of 2,048 tokens 237 -> 126 ms against tiles of
+ * LANES keys.
  *
- * The bf16 dot path walks KEY_TILE keys at a time, ROW_GROUP rows together, so each key or
- * value vector loaded serves that many rows; their output accumulators live in the item's
- * scratch between tiles. What the softmax costs a tile is kept small, as the products are only
- * 2 x head_dim vector FMAs a row: a horizontal max and a rescaling of the output only when a
- * score passes the row's running max (rare after the first tiles), sums kept lane by lane until
- * the end. Both paths take e^x on vectors (glibc's expf, called per lane, took a third of the
- * time).
+ * The bf16 dot path packs each request's keys and values once per kv head, KEY_TILE keys a tile,
+ * into the layout its dot products take, shared by all the items of that head (packed per item,
+ * 48 times over for a 1,024-token prompt of 3 kv heads, it took a sixth of the time). Then each
+ * item takes its rows a group at a time (as many as keep their output in 16 registers: 4 at
+ * head_dim 64), and walks every tile they see with the group's output, running max and sums held
+ * in registers throughout, so each key or value vector loaded serves every row of the group. The
+ * products are only 2 x head_dim dot products a row and tile, so the softmax between them must
+ * stay small: a horizontal max and a rescaling of the output only when a score passes the row's
+ * running max (rare after the first tiles), sums kept lane by lane until the end, and e^x in
+ * AVX-512 intrinsics with no vector leaving its register (with the vector extensions, the
+ * compare's mask and the bf16 weights went through memory, and the softmax took half the time;
+ * e^x is still a quarter). Both paths take e^x on vectors (glibc's expf, called per lane, took a
+ * third of the time).
  *
  * q and out are both float32 or both bfloat16, and bf16 output is rounded to nearest even
  * once. The cache is in any format of lanes.h (KV_*): other than q's dtype, it is widened (8-bit
- * rows times their scales) as each block of keys is loaded, and the float32 path takes it. In float32 the arithmetic is float32 FMAs. In bf16 on a CPU with AVX512-BF16
- * (head_dim a multiple of 32), both products run on its dot products, which multiply 16 pairs
+ * rows times their scales) as each block of keys is loaded, and the float32 path takes it. In
+ * float32 the arithmetic is float32 FMAs. In bf16 on a CPU with AVX512-BF16 (head_dim a multiple
+ * of 32), both products run on its dot products, which multiply 16 pairs
  * of bf16 and add into float32 in one instruction: the tile's keys are kept as bf16 pairs
  * transposed, its values as pairs of keys interleaved, and the softmax weights are rounded to
  * bf16 for the values' product, as PyTorch's bf16 flash attention rounds them (the sums that
  * normalise them stay float32). Elsewhere bf16 is widened to float32 and takes the FMAs.
- * Measured on one Zen 4 core, bf16, 9 query heads on 3 kv heads, a layer, SDPA -> float32
- * FMAs -> bf16 dot products: 8 prompts of 256 tokens 20 -> 13.4 -> 11.6 ms, one of 2,048
- * tokens 84 -> 79 -> 48 ms. Built and loaded by kernels/cpu_attention.py.
+ * Measured on a 2-core Zen 4 (AVX512-BF16), bf16, 9 query heads on 3 kv heads, a layer, the
+ * dot path with tiles packed per item -> the one above, one core: 8 prompts of 256 tokens 10.8 ->
+ * 8.2 ms, one of 1,024 14.3 -> 10.9 ms, one of 2,048 56 -> 39 ms (SDPA: 29 ms at 1,024); two
+ * cores: 4.8 -> 3.9, 7.4 -> 5.2 and 26 -> 20 ms. Built and loaded by kernels/cpu_attention.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,9 +72,10 @@
 #define MICRO_ROWS 6
 #define MICRO_VECS 2
 #define KEY_TILE LANES
-#define ROW_GROUP 4
-#define SCORE_CHAINS 4
-#define OUT_VECS 16
+#define DOT_OUT_REGS 16
+#define DOT_MAX_ROWS (DOT_OUT_REGS * LANES / 32)
+#define SCORE_CHAINS 8
+#define PACK_TILES 16
 #define ITEM_TOKENS 64
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 64
@@ -344,32 +354,43 @@ static inline __attribute__((always_inline)) void attend_block(const float *q, f
 }
 
 #if HAVE_BF16_DOT
+/* exp_lanes in AVX-512 intrinsics, so that no vector leaves its register: e^x for x <= 0, below
+ * -87 exactly 0 (masked keys weigh nothing) */
+static inline __attribute__((always_inline)) __m512 exp_ps(__m512 x)
+{
+    const __mmask16 above_floor = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+    __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(1.3888949e-3f), r, _mm512_set1_ps(8.3333910e-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1666646e-2f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666667e-1f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(above_floor, _mm512_scalef_ps(poly, n));
+}
+
 /* One row's scores of a tile: its online softmax moves on to them, and returns their weights
  * (keys past `visible` weigh 0) and by how much the row's output shrinks first. */
-static inline __attribute__((always_inline)) vfloat softmax_step(vfloat scores, float *m, vfloat *l, int32_t visible,
-                                                                 float *correction)
+static inline __attribute__((always_inline)) __m512 softmax_step(__m512 scores, __m512 *m, __m512 *l, int32_t visible,
+                                                                 __m512 *correction, int *corrected)
 {
-    vint lane;
-    for (int j = 0; j < KEY_TILE; j++)
-        lane[j] = j;
-    if (visible < KEY_TILE)
-        scores = select_lanes(lane < visible, scores, (vfloat){0} + MASKED);
-    /* the running max moves rarely once a row has seen some keys: only then is there a
-     * horizontal max and a correction of the sums and the output */
-    const vint above = scores > *m;
-    uint64_t words[LANES / 2], any = 0;
-    memcpy(words, &above, sizeof words);
-    for (int w = 0; w < LANES / 2; w++)
-        any |= words[w];
-    *correction = 1.0f;
-    if (any) {
-        const float new_max = max_of_lanes(scores);
-        *correction = exp_lanes((vfloat){0} + (*m - new_max))[0];
+    const __mmask16 seen = visible >= KEY_TILE ? (__mmask16)0xffff : (__mmask16)((1u << (visible > 0 ? visible : 0)) - 1);
+    scores = _mm512_mask_blend_ps(seen, _mm512_set1_ps(MASKED), scores);
+    /* the running max (in every lane) moves rarely once a row has seen some keys: only then is
+     * there a horizontal max and a correction of the sums and the output */
+    *corrected = _mm512_cmp_ps_mask(scores, *m, _CMP_GT_OQ) != 0;
+    if (*corrected) {
+        const __m512 new_max = _mm512_set1_ps(_mm512_reduce_max_ps(scores));
+        *correction = exp_ps(_mm512_sub_ps(*m, new_max));
         *m = new_max;
-        *l *= *correction;
+        *l = _mm512_mul_ps(*l, *correction);
     }
-    const vfloat e = exp_lanes(scores - *m);
-    *l += e; /* lane by lane: one horizontal sum at the end, not one a tile */
+    const __m512 e = exp_ps(_mm512_sub_ps(scores, *m));
+    *l = _mm512_add_ps(*l, e); /* lane by lane: one horizontal sum at the end, not one a tile */
     return e;
 }
 
@@ -400,91 +421,199 @@ static inline __attribute__((always_inline)) void load_tile_pairs(const PagedArg
     }
 }
 
-/* attend_rows on bf16 dot products: each instruction multiplies and sums 16 pairs. The scores
- * take the queries as pairs (qp, unscaled bf16, scale applied to the float32 sums); the values
- * take the softmax weights rounded to bf16, as PyTorch's CPU flash attention rounds them for its
- * bf16 product, while the sums that normalise them stay float32. */
-static inline __attribute__((always_inline)) void attend_rows_dot(const uint32_t *qp, float *acc, float *m, vfloat *l,
-                                                                  const int32_t *visible, const uint32_t *kp,
-                                                                  const uint32_t *vp, float scale, const int32_t d_len,
-                                                                  const int n)
+/* Words of one packed tile: its key pairs, then its value pairs. */
+static inline int64_t tile_words(int32_t d_len)
 {
-    const int32_t pairs = d_len / 2;
-    __m512 s[ROW_GROUP][SCORE_CHAINS];
-    const int chains = n == 1 ? SCORE_CHAINS : 1;
-    for (int r = 0; r < n; r++)
-        for (int c = 0; c < chains; c++)
-            s[r][c] = _mm512_setzero_ps();
-    for (int32_t pair = 0; pair < pairs; pair += chains)
-        for (int c = 0; c < chains; c++) {
-            const __m512bh k_pairs = (__m512bh)_mm512_loadu_si512(kp + (pair + c) * KEY_TILE);
-            for (int r = 0; r < n; r++)
-                s[r][c] = _mm512_dpbf16_ps(s[r][c], (__m512bh)_mm512_set1_epi32((int)qp[r * pairs + pair + c]), k_pairs);
-        }
-    uint32_t w[ROW_GROUP][KEY_TILE / 2];
-    float correction[ROW_GROUP];
+    return (int64_t)KEY_TILE * d_len;
+}
+
+/* Rows attended together on the dot path: as many as keep their output in 16 registers. */
+static inline int dot_row_group(int32_t d_len)
+{
+    return DOT_OUT_REGS * LANES / d_len;
+}
+
+/* Rows r < n of one item (their bf16 queries qp[r], positions pos[r], ascending) over every tile
+ * they see, on bf16 dot products: each instruction multiplies and sums 16 pairs. Each key or
+ * value vector loaded serves all n rows, whose outputs stay in registers from the first tile to
+ * the last (n * d_len / LANES of them: dot_row_group). The scores take the queries as pairs
+ * (unscaled bf16, the scale applied to the float32 sums), summed in 8 / n chains so the dot
+ * products' latency is hidden; the values take the softmax weights rounded to bf16, as
+ * PyTorch's CPU flash attention rounds them for its bf16 product, while the sums that normalise
+ * them stay float32. d_len and n are constants where the caller passes them, so the loops unroll. */
+static inline __attribute__((always_inline)) void attend_rows_dot(const uint32_t *const *qp, const int32_t *pos,
+                                                                  const uint32_t *tiles, float scale,
+                                                                  const int32_t d_len, const int n,
+                                                                  uint16_t *const *out)
+{
+    const int32_t pairs = d_len / 2, vecs = d_len / LANES;
+    const int chains = n >= SCORE_CHAINS ? 1 : SCORE_CHAINS / n;
+    __m512 o[DOT_OUT_REGS], l[DOT_MAX_ROWS], m[DOT_MAX_ROWS];
+    for (int i = 0; i < n * vecs; i++)
+        o[i] = _mm512_setzero_ps();
     for (int r = 0; r < n; r++) {
-        for (int c = 1; c < chains; c++)
-            s[r][0] = _mm512_add_ps(s[r][0], s[r][c]);
-        vfloat scores;
-        memcpy(&scores, &s[r][0], sizeof scores);
-        const vfloat e = softmax_step(scores * scale, m + r, l + r, visible[r], correction + r);
-        __m512 e_vec;
-        memcpy(&e_vec, &e, sizeof e_vec);
-        const __m256bh rounded = _mm512_cvtneps_pbh(e_vec);
-        memcpy(w[r], &rounded, sizeof w[r]);
+        l[r] = _mm512_setzero_ps();
+        m[r] = _mm512_set1_ps(MASKED);
     }
-    const int chunk = OUT_VECS / n;
-    for (int32_t d0 = 0; d0 < d_len; d0 += chunk * LANES) {
-        const int vecs = (d_len - d0) / LANES < chunk ? (d_len - d0) / LANES : chunk;
-        __m512 o[ROW_GROUP][OUT_VECS];
-        for (int r = 0; r < n; r++)
-            for (int c = 0; c < vecs; c++) {
-                o[r][c] = _mm512_loadu_ps(acc + r * d_len + d0 + c * LANES);
-                if (correction[r] != 1.0f)
-                    o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(correction[r]));
-            }
-        for (int jp = 0; jp < KEY_TILE / 2; jp++)
-            for (int c = 0; c < vecs; c++) {
-                const __m512bh v_pairs = (__m512bh)_mm512_loadu_si512(vp + jp * d_len + d0 + c * LANES);
+    const int32_t last_tile = pos[n - 1] / KEY_TILE;
+    for (int32_t t = 0; t <= last_tile; t++) {
+        const uint32_t *kp = tiles + t * tile_words(d_len), *vp = kp + pairs * KEY_TILE;
+        __m512 s[DOT_MAX_ROWS * SCORE_CHAINS];
+        for (int i = 0; i < n * chains; i++)
+            s[i] = _mm512_setzero_ps();
+        for (int32_t pair = 0; pair < pairs; pair += chains)
+            for (int c = 0; c < chains; c++) {
+                const __m512bh k_pairs = (__m512bh)_mm512_loadu_si512(kp + (pair + c) * KEY_TILE);
                 for (int r = 0; r < n; r++)
-                    o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32((int)w[r][jp]), v_pairs);
+                    s[r * chains + c] = _mm512_dpbf16_ps(s[r * chains + c],
+                                                         (__m512bh)_mm512_set1_epi32((int)qp[r][pair + c]), k_pairs);
             }
-        for (int r = 0; r < n; r++)
-            for (int c = 0; c < vecs; c++)
-                _mm512_storeu_ps(acc + r * d_len + d0 + c * LANES, o[r][c]);
+        /* each row's weights as bf16 pairs, key pair jp in lane jp of the low half */
+        __m512i w[DOT_MAX_ROWS];
+        for (int r = 0; r < n; r++) {
+            for (int c = 1; c < chains; c++)
+                s[r * chains] = _mm512_add_ps(s[r * chains], s[r * chains + c]);
+            __m512 correction = _mm512_set1_ps(1.0f);
+            int corrected;
+            const __m512 e = softmax_step(_mm512_mul_ps(s[r * chains], _mm512_set1_ps(scale)), m + r, l + r,
+                                          pos[r] - t * KEY_TILE + 1, &correction, &corrected);
+            if (corrected)
+                for (int c = 0; c < vecs; c++)
+                    o[r * vecs + c] = _mm512_mul_ps(o[r * vecs + c], correction);
+            w[r] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (int jp = 0; jp < KEY_TILE / 2; jp++) {
+            __m512bh pair_weights[DOT_MAX_ROWS];
+            for (int r = 0; r < n; r++)
+                pair_weights[r] = (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(jp), w[r]);
+            for (int c = 0; c < vecs; c++) {
+                const __m512bh v_pairs = (__m512bh)_mm512_loadu_si512(vp + jp * d_len + c * LANES);
+                for (int r = 0; r < n; r++)
+                    o[r * vecs + c] = _mm512_dpbf16_ps(o[r * vecs + c], pair_weights[r], v_pairs);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        const float inverse = 1.0f / _mm512_reduce_add_ps(l[r]);
+        for (int c = 0; c < vecs; c++) {
+            vfloat row;
+            memcpy(&row, &o[r * vecs + c], sizeof row);
+            store_lanes(out[r], c * LANES, row * inverse, 1);
+        }
     }
 }
 
-/* Every row of an item that sees any of the tile starting at key0, ROW_GROUP at a time where
- * it can, on bf16 dot products (q, kt, v pairs); d_len a constant where the caller passes one,
- * so the loops unroll. Rows ascend by position, so those that see the tile are a suffix. */
-static inline __attribute__((always_inline)) void attend_tile_dot(const uint32_t *q, float *acc, float *m, vfloat *l,
-                                                                  const int32_t *pos, int rows, int32_t key0,
-                                                                  const uint32_t *kt, const uint32_t *v, float scale,
-                                                                  const int32_t d_len)
+/* Packs tiles [first, last) of one request's keys for one kv head into `tiles` (load_tile_pairs). */
+static void pack_tiles(const PagedArgs *a, int32_t req, int32_t kv_head, int32_t first, int32_t last,
+                       uint32_t *tiles)
 {
-    int r = 0;
-    while (r < rows && pos[r] < key0)
-        r++;
-    int32_t visible[ROW_GROUP];
-    while (r < rows) {
-        const int n = rows - r >= ROW_GROUP ? ROW_GROUP : 1;
-        for (int i = 0; i < n; i++)
-            visible[i] = pos[r + i] - key0 + 1;
-        if (n == ROW_GROUP)
-            attend_rows_dot(q + r * d_len / 2, acc + r * d_len, m + r, l + r, visible, kt, v, scale, d_len, ROW_GROUP);
-        else
-            attend_rows_dot(q + r * d_len / 2, acc + r * d_len, m + r, l + r, visible, kt, v, scale, d_len, 1);
-        r += n;
+    const int32_t num_keys = a->seq_lens[req], d_len = a->head_dim, pairs = d_len / 2;
+    const int32_t *table = a->block_tables + req * a->bt_stride;
+    for (int32_t t = first; t < last; t++) {
+        const int32_t key0 = t * KEY_TILE, count = num_keys - key0 < KEY_TILE ? num_keys - key0 : KEY_TILE;
+        uint32_t *kp = tiles + t * tile_words(d_len);
+        load_tile_pairs(a, table, kv_head, key0, count, kp, kp + pairs * KEY_TILE);
     }
+}
+
+/* One item on the dot path, its kv head's tiles packed: dot_row_group rows at a time, the
+ * remainder one by one; d_len a constant where the caller passes one. */
+static inline __attribute__((always_inline)) void run_item_dot_as(const PagedArgs *a, const Item *item,
+                                                                  const uint32_t *tiles, const int32_t d_len)
+{
+    const int32_t group = a->num_heads / a->num_kv_heads;
+    const int32_t q_start = a->query_start_loc[item->req];
+    const int32_t q_len = a->query_start_loc[item->req + 1] - q_start;
+    const int32_t seq_len = a->seq_lens[item->req];
+    const int rows = (item->last - item->first) * group, n = dot_row_group(d_len);
+    for (int r0 = 0; r0 < rows;) {
+        const int take = rows - r0 >= n ? n : 1;
+        const uint32_t *qp[DOT_MAX_ROWS];
+        uint16_t *out[DOT_MAX_ROWS];
+        int32_t pos[DOT_MAX_ROWS];
+        for (int i = 0; i < take; i++) {
+            const int32_t token = item->first + (r0 + i) / group, head = item->kv_head * group + (r0 + i) % group;
+            pos[i] = seq_len - q_len + token;
+            qp[i] = (const uint32_t *)((const uint16_t *)a->q + (int64_t)(q_start + token) * a->q_stride_r +
+                                       head * a->q_stride_h);
+            out[i] = (uint16_t *)a->out + (int64_t)(q_start + token) * a->out_stride_r + head * a->out_stride_h;
+        }
+        if (take == n)
+            attend_rows_dot(qp, pos, tiles, a->scale, d_len, n, out);
+        else
+            attend_rows_dot(qp, pos, tiles, a->scale, d_len, 1, out);
+        r0 += take;
+    }
+}
+
+static void run_item_dot(const PagedArgs *a, const Item *item, const uint32_t *tiles)
+{
+    switch (a->head_dim) {
+    case 64: run_item_dot_as(a, item, tiles, 64); break;
+    case 128: run_item_dot_as(a, item, tiles, 128); break;
+    default: run_item_dot_as(a, item, tiles, a->head_dim); break;
+    }
+}
+
+/* Requests with at least `min_query_len` rows on the dot path: first each (request, kv head)'s
+ * keys and values packed once into tiles (PACK_TILES a task), shared by all its items, then the
+ * items. Returns 0, or 4 when it cannot allocate the tiles. */
+static int run_dot(const PagedArgs *a, const Item *items, int64_t num_items, int32_t min_query_len)
+{
+    const int32_t kv_heads = a->num_kv_heads;
+    int64_t *tile_at = malloc(sizeof(int64_t) * ((int64_t)a->num_reqs * kv_heads + 1));
+    if (tile_at == NULL)
+        return 4;
+    int64_t num_tiles = 0, num_tasks = 0;
+    for (int32_t i = 0; i < a->num_reqs; i++) {
+        const int32_t q_len = a->query_start_loc[i + 1] - a->query_start_loc[i];
+        const int32_t tiles = q_len >= min_query_len && q_len > 0 ? (a->seq_lens[i] + KEY_TILE - 1) / KEY_TILE : 0;
+        for (int32_t h = 0; h < kv_heads; h++) {
+            tile_at[i * kv_heads + h] = num_tiles;
+            num_tiles += tiles;
+            num_tasks += (tiles + PACK_TILES - 1) / PACK_TILES;
+        }
+    }
+    tile_at[(int64_t)a->num_reqs * kv_heads] = num_tiles;
+    uint32_t *tiles = aligned_alloc(64, (size_t)num_tiles * tile_words(a->head_dim) * sizeof(uint32_t));
+    if (tiles == NULL) {
+        free(tile_at);
+        return 4;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            /* the task'th run of PACK_TILES tiles, counted over (request, kv head) in order */
+            int64_t skipped = 0;
+            for (int64_t rh = 0; rh < (int64_t)a->num_reqs * kv_heads; rh++) {
+                const int64_t tiles_here = tile_at[rh + 1] - tile_at[rh];
+                const int64_t runs = (tiles_here + PACK_TILES - 1) / PACK_TILES;
+                if (task < skipped + runs) {
+                    const int32_t first = (int32_t)((task - skipped) * PACK_TILES);
+                    const int32_t last = first + PACK_TILES < tiles_here ? first + PACK_TILES : (int32_t)tiles_here;
+                    pack_tiles(a, (int32_t)(rh / kv_heads), (int32_t)(rh % kv_heads), first, last,
+                               tiles + tile_at[rh] * tile_words(a->head_dim));
+                    break;
+                }
+                skipped += runs;
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = num_items - 1; k >= 0; k--) {
+            const Item *item = &items[k];
+            run_item_dot(a, item, tiles + tile_at[item->req * kv_heads + item->kv_head] * tile_words(a->head_dim));
+        }
+    }
+    free(tiles);
+    free(tile_at);
+    return 0;
 }
 
 #endif
 
-/* `dot`: bf16 on AVX512-BF16's dot products (HAVE_BF16_DOT, head_dim a multiple of 32), tiles of
- * KEY_TILE keys; otherwise float32 FMAs over blocks of KEY_BLOCK keys. */
-static void run_item(const PagedArgs *a, const Item *item, float *scratch, const int bf16, const int dot)
+/* One item on float32 FMAs over blocks of KEY_BLOCK keys (q and out bf16 where `bf16`). */
+static void run_item(const PagedArgs *a, const Item *item, float *scratch, const int bf16)
 {
     const int32_t d_len = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int32_t q_start = a->query_start_loc[item->req];
@@ -495,24 +624,18 @@ static void run_item(const PagedArgs *a, const Item *item, float *scratch, const
     /* the layout of item_scratch_floats; each part whole vectors, so the vfloat sums are aligned */
     float *q = scratch, *acc = q + rows * d_len, *kt = acc + rows * d_len, *v = kt + KEY_BLOCK * d_len;
     float *s = v + KEY_BLOCK * d_len;
-    vfloat *lane_sums = (vfloat *)(s + MICRO_ROWS * KEY_BLOCK); /* the dot path's sums, lane by lane */
-    float *sums = (float *)(lane_sums + rows), *m = sums + rows;
+    float *sums = s + MICRO_ROWS * KEY_BLOCK, *m = sums + rows;
     int32_t *pos = (int32_t *)(m + rows);
 
     memset(acc, 0, sizeof(float) * rows * d_len);
     for (int r = 0; r < rows; r++) {
         m[r] = MASKED;
         sums[r] = 0.0f;
-        lane_sums[r] = (vfloat){0};
     }
     for (int r = 0; r < rows; r++) {
         const int32_t token = item->first + r / group, head = item->kv_head * group + r % group;
         pos[r] = seq_len - q_len + token;
         const int64_t at = (int64_t)(q_start + token) * a->q_stride_r + head * a->q_stride_h;
-        if (dot) { /* the row's bf16 as they are, d_len / 2 pairs */
-            memcpy((uint32_t *)q + r * d_len / 2, (const uint16_t *)a->q + at, sizeof(uint16_t) * d_len);
-            continue;
-        }
         for (int32_t d = 0; d < d_len; d += LANES) {
             const vfloat scaled = load_lanes(a->q, at + d, bf16) * a->scale;
             memcpy(q + r * d_len + d, &scaled, sizeof scaled);
@@ -520,30 +643,14 @@ static void run_item(const PagedArgs *a, const Item *item, float *scratch, const
     }
 
     const int32_t num_keys = pos[rows - 1] + 1;
-#if HAVE_BF16_DOT
-    if (dot) {
-        for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_TILE) {
-            const int32_t count = num_keys - key0 < KEY_TILE ? num_keys - key0 : KEY_TILE;
-            load_tile_pairs(a, table, item->kv_head, key0, count, (uint32_t *)kt, (uint32_t *)v);
-            const uint32_t *qp = (const uint32_t *)q, *kp = (const uint32_t *)kt, *vp = (const uint32_t *)v;
-            if (d_len == 64)
-                attend_tile_dot(qp, acc, m, lane_sums, pos, rows, key0, kp, vp, a->scale, 64);
-            else
-                attend_tile_dot(qp, acc, m, lane_sums, pos, rows, key0, kp, vp, a->scale, d_len);
-        }
-        for (int r = 0; r < rows; r++)
-            sums[r] = sum_of_lanes(lane_sums[r]);
+    for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_BLOCK) {
+        const int32_t count = num_keys - key0 < KEY_BLOCK ? num_keys - key0 : KEY_BLOCK;
+        load_block(a, table, item->kv_head, key0, count, kt, v);
+        if (d_len == 64)
+            attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, 64);
+        else
+            attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, d_len);
     }
-#endif
-    if (!dot)
-        for (int32_t key0 = 0; key0 < num_keys; key0 += KEY_BLOCK) {
-            const int32_t count = num_keys - key0 < KEY_BLOCK ? num_keys - key0 : KEY_BLOCK;
-            load_block(a, table, item->kv_head, key0, count, kt, v);
-            if (d_len == 64)
-                attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, 64);
-            else
-                attend_block(q, acc, m, sums, pos, rows, key0, count, kt, v, s, d_len);
-        }
     for (int r = 0; r < rows; r++) {
         const int32_t token = item->first + r / group, head = item->kv_head * group + r % group;
         const int64_t at = (int64_t)(q_start + token) * a->out_stride_r + head * a->out_stride_h;
@@ -557,10 +664,10 @@ static void run_item(const PagedArgs *a, const Item *item, float *scratch, const
 }
 
 /* Floats of a work item's scratch (run_item's layout): q and output rows, a key block and its
- * values, MICRO_ROWS rows of scores, each row's sums (a vector and a float), max and position. */
+ * values, MICRO_ROWS rows of scores, each row's sum, max and position. */
 static size_t item_scratch_floats(int64_t max_rows, int32_t head_dim)
 {
-    return (size_t)(2 * max_rows * head_dim + 2 * KEY_BLOCK * head_dim + MICRO_ROWS * KEY_BLOCK + (LANES + 3) * max_rows);
+    return (size_t)(2 * max_rows * head_dim + 2 * KEY_BLOCK * head_dim + MICRO_ROWS * KEY_BLOCK + 3 * max_rows);
 }
 
 /* Whether a call with this head_dim, dtype code and cache format runs on bf16 dot products. */
@@ -609,10 +716,16 @@ int paged_prefill_attention(void *out, int64_t out_stride_r, int64_t out_stride_
             for (int32_t h = 0; h < num_kv_heads; h++)
                 items[n++] = (Item){i, h, first, first + ITEM_TOKENS < q_len ? first + ITEM_TOKENS : q_len};
     }
+    int failed = 0;
+#if HAVE_BF16_DOT
+    if (paged_prefill_attention_uses_bf16_dot(head_dim, dtype, kv)) {
+        failed = run_dot(&a, items, num_items, min_query_len);
+        free(items);
+        return failed;
+    }
+#endif
     const int64_t max_rows = (int64_t)ITEM_TOKENS * (num_heads / num_kv_heads);
     const size_t scratch_floats = item_scratch_floats(max_rows, head_dim);
-    const int dot = paged_prefill_attention_uses_bf16_dot(head_dim, dtype, kv);
-    int failed = 0;
 #pragma omp parallel
     {
         float *scratch = aligned_alloc(64, (scratch_floats * sizeof(float) + 63) / 64 * 64);
@@ -623,7 +736,7 @@ int paged_prefill_attention(void *out, int64_t out_stride_r, int64_t out_stride_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = num_items - 1; k >= 0; k--) {
             if (scratch != NULL)
-                run_item(&a, &items[k], scratch, dtype == 1, dot);
+                run_item(&a, &items[k], scratch, dtype == 1);
         }
         free(scratch);
     }

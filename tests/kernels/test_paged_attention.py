@@ -100,13 +100,15 @@ CPU_EXTRA_CASES: list[Case] = [
 ]
 # prefill chunks over the prefill kernel's work items (64 query tokens) and key blocks (64
 # keys; 16-key tiles on bf16 dot products): several items, a cached prefix ending mid-block, one
-# key past two whole blocks, row counts that are not whole micro-tiles of 6 rows (or groups of
-# 4), head_dim 80
+# key past two whole blocks, row counts that are not whole micro-tiles of 6 rows (or of the dot
+# path's groups: 8 rows at head_dim 32, 4 at 64, 2 at 96 and 128, 1 at 256), head_dim 80
 CPU_EXTEND_CASES: list[Case] = [
     ([150, 1, 64], [150, 1, 64], 9, 3, 64, 16),
     ([129, 64], [129, 60], 9, 3, 64, 16),
     ([203, 70], [131, 2], 6, 2, 80, 32),
     ([33], [5], 1, 1, 32, 16),
+    ([90, 37], [75, 37], 3, 1, 96, 16),
+    ([50], [41], 2, 2, 256, 16),
 ]
 
 
