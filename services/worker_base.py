@@ -328,17 +328,12 @@ class Worker:
                 entries = await self.bus.read_group(stream, group, self.worker_id, count, READ_BLOCK_MS)
                 outage.recovered()
                 delay = 0.05
-            except ResponseError as e:
-                if "NOGROUP" in str(e):
+            except (*REDIS_ERRORS, ResponseError) as e:
+                if isinstance(e, ResponseError) and "NOGROUP" in str(e):
                     logger.warning("consumer group %s of %s is gone (Redis restarted?); recreating it", group, stream)
                     await with_backoff(self.setup, "recreating consumer groups", self.stopped)
                     continue
-                logger.warning("reading %s: %s; retrying in %.2fs", stream, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            except REDIS_ERRORS as e:
-                outage.failed(e)
+                outage.failed(e)  # unreachable, or refusing the read (out of memory, an ACL)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
@@ -472,10 +467,8 @@ class Worker:
             if num_beats % TRIM_EVERY_BEATS == 0:
                 await self.trim()
             self._beat_outage.recovered()
-        except REDIS_ERRORS as e:
+        except (*REDIS_ERRORS, ResponseError) as e:
             self._beat_outage.failed(e)
-        except ResponseError as e:
-            logger.warning("heartbeat: %s", e)
 
     # -- /health and /metrics --------------------------------------------------------------------
 

@@ -4,10 +4,13 @@ plays the gateway (and, for the handoff-timeout test, a prefill worker) through 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -464,36 +467,76 @@ async def test_accept_board_hands_an_answer_only_to_the_handoff_that_asked_that_
     assert not board.resolve(HandoffAccept("r", 1, "d-a", [0, 1]))
 
 
-async def test_a_reader_survives_redis_restarting_and_recreates_its_consumer_group() -> None:
+@dataclass
+class InboxReader:
+    """A decode worker reading its inbox on a private Redis (`server`), the ids of the Cancels it read in `got`."""
+
+    server: RedisServer
+    worker: DecodeWorker
+    got: list[str]
+
+    def start(self) -> asyncio.Task[None]:
+        async def handle(entry_id: bytes, msg: Message | None) -> None:
+            assert isinstance(msg, Cancel)
+            self.got.append(msg.req_id)
+            await self.worker.ack(self.worker.inbox, INBOX_GROUP, entry_id)
+
+        worker = self.worker
+        return asyncio.create_task(worker.consume(worker.inbox, INBOX_GROUP, handle, lambda: 8, worker.stopped))
+
+
+@contextlib.asynccontextmanager
+async def inbox_reader(name: str) -> AsyncIterator[InboxReader]:
     server = RedisServer()
     url = await asyncio.to_thread(server.start)
     worker = DecodeWorker(WorkerServiceSettings(
-        redis=RedisSettings(url=url, namespace="restart", socket_timeout_s=1), worker=WorkerSettings(worker_id="d-r")
+        redis=RedisSettings(url=url, namespace=name, socket_timeout_s=1), worker=WorkerSettings(worker_id=f"d-{name}")
     ))
-    got: list[str] = []
-
-    async def handle(entry_id: bytes, msg: Message | None) -> None:
-        assert isinstance(msg, Cancel)
-        got.append(msg.req_id)
-        await worker.ack(worker.inbox, INBOX_GROUP, entry_id)
-
     try:
         await worker.setup()
-        reader = asyncio.create_task(worker.consume(worker.inbox, INBOX_GROUP, handle, lambda: 8, worker.stopped))
-        await worker.bus.send(worker.inbox, Cancel("before"))
-        await eventually(_async(lambda: got == ["before"]), "the first message")
-
-        await asyncio.to_thread(server.stop)
-        await asyncio.to_thread(server.start)  # same port, empty: the stream and its group are gone
-        await with_backoff(lambda: worker.bus.send(worker.inbox, Cancel("after")), "send")
-
-        await eventually(_async(lambda: got == ["before", "after"]), "a message after the restart")
-        worker.stopped.set()
-        await reader
+        yield InboxReader(server, worker, [])
     finally:
         await worker.bus.close()
         worker.engine.shutdown()
         await asyncio.to_thread(server.stop)
+
+
+async def test_a_reader_survives_redis_restarting_and_recreates_its_consumer_group() -> None:
+    async with inbox_reader("restart") as inbox:
+        worker = inbox.worker
+        reader = inbox.start()
+        await worker.bus.send(worker.inbox, Cancel("before"))
+        await eventually(_async(lambda: inbox.got == ["before"]), "the first message")
+
+        await asyncio.to_thread(inbox.server.stop)
+        await asyncio.to_thread(inbox.server.start)  # same port, empty: the stream and its group are gone
+        await with_backoff(lambda: worker.bus.send(worker.inbox, Cancel("after")), "send")
+
+        await eventually(_async(lambda: inbox.got == ["before", "after"]), "a message after the restart")
+        worker.stopped.set()
+        await reader
+
+
+async def test_a_reader_refused_by_redis_warns_once_and_reads_again_once_allowed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="services.worker_base")
+    async with inbox_reader("refused") as inbox:  # a private Redis: its ACL changes
+        worker = inbox.worker
+        reading = f"reading {worker.inbox}"
+        await worker.bus.redis.acl_setuser("default", enabled=True, reset_keys=False, commands=["-xreadgroup"])
+        reader = inbox.start()
+        await eventually(_async(lambda: any(r.message.startswith(f"{reading}: Redis refused it")
+                                            for r in caplog.records)), "the refusal logged")
+        await asyncio.sleep(1.0)  # several more refused reads (50, 100, 200, 400 ms apart)
+        await worker.bus.redis.acl_setuser("default", enabled=True, reset_keys=False, commands=["+xreadgroup"])
+        await worker.bus.send(worker.inbox, Cancel("allowed"))
+        await eventually(_async(lambda: inbox.got == ["allowed"]), "a message once the read is allowed")
+        worker.stopped.set()
+        await reader
+    lines = [(r.levelname, r.message.split(" (")[0].split(" after")[0]) for r in caplog.records
+             if r.message.startswith(reading)]
+    assert lines == [("WARNING", f"{reading}: Redis refused it"), ("INFO", f"{reading}: Redis accepts it again")]
 
 
 async def test_close_ends_a_reader_that_swallowed_its_cancel() -> None:
