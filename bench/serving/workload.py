@@ -118,12 +118,18 @@ def _shared_prefix(spec: WorkloadSpec, vocab_ids: np.ndarray, rng: np.random.Gen
 
 def _chat_mix(spec: WorkloadSpec, vocab_ids: np.ndarray, rng: np.random.Generator) -> list[BenchRequest]:
     """Lognormal lengths with medians input_len and output_len and log-space spread
-    length_sigma, clipped to [1, max_*_len] (default 4x the median)."""
+    length_sigma, clipped to [1, max_*_len] (default 4x the median). Input lengths, output
+    lengths and tokens come from three streams of the seed, so the first k requests are the same
+    whatever num_prompts is: a sweep that takes the first k of one sample per rate sends the same
+    requests at a rate whatever other rates it sweeps."""
     max_in = spec.max_input_len or 4 * spec.input_len
     max_out = spec.max_output_len or 4 * spec.output_len
-    input_lens = _lognormal_lens(rng, spec.input_len, spec.length_sigma, max_in, spec.num_prompts)
-    output_lens = _lognormal_lens(rng, spec.output_len, spec.length_sigma, max_out, spec.num_prompts)
-    return [_request(_tokens(rng, vocab_ids, n_in), n_out) for n_in, n_out in zip(input_lens, output_lens, strict=True)]
+    input_rng, output_rng, token_rng = rng.spawn(3)
+    input_lens = _lognormal_lens(input_rng, spec.input_len, spec.length_sigma, max_in, spec.num_prompts)
+    output_lens = _lognormal_lens(output_rng, spec.output_len, spec.length_sigma, max_out, spec.num_prompts)
+    return [
+        _request(_tokens(token_rng, vocab_ids, n_in), n_out) for n_in, n_out in zip(input_lens, output_lens, strict=True)
+    ]
 
 
 _GENERATORS: dict[str, Callable[[WorkloadSpec, np.ndarray, np.random.Generator], list[BenchRequest]]] = {

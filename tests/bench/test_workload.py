@@ -70,6 +70,13 @@ def test_chat_mix_lengths_are_long_tailed_and_clipped() -> None:
     assert input_lens.mean() > np.median(input_lens)
 
 
+def test_chat_mix_requests_do_not_depend_on_how_many_are_drawn() -> None:
+    def mix(num_prompts: int) -> list[BenchRequest]:
+        return build_workload(WorkloadSpec("chat-mix", num_prompts, input_len=30, output_len=20), VOCAB, seed=5)
+
+    assert mix(40)[:12] == mix(12)
+
+
 def test_chat_mix_honours_explicit_clips() -> None:
     spec = WorkloadSpec("chat-mix", num_prompts=500, input_len=100, output_len=50, max_input_len=120, max_output_len=60)
     requests = build_workload(spec, vocab_from_size(50), seed=0)
