@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.late_gaps import LateGapLedger, late_gaps_allowed
+from services.late_gaps import KEPT_FOR_LONG_PROMPTS, LateGapLedger, PromptPauses, late_gaps_allowed
 
 TARGET_S = 0.1
 ON_TIME_S, LATE_S = 0.08, 2.0
@@ -43,6 +43,33 @@ def test_a_stream_affords_a_pause_once_its_on_time_gaps_cover_one_more_late_one(
     for _ in range(10):
         now = step(ledger, now, "a")
     assert ledger.affords_a_pause({"a"})  # 31 gaps, 3 late with the next pause's
+
+
+def test_a_stream_affords_a_pause_that_keeps_one_for_later_once_it_could_take_two() -> None:
+    ledger = LateGapLedger(TARGET_S, 90)
+    now, tokens = step(ledger, 0.0, "a"), 1
+    while not ledger.affords_a_pause({"a"}, kept=1):
+        now, tokens = step(ledger, now, "a"), tokens + 1
+    # 30 gaps (one late) and the pause's: 3 late of 31 keep the p90 on time, so one more is left
+    assert tokens == 30
+    assert late_gaps_allowed(31, 90) == 3
+
+
+def test_a_prompt_is_paused_for_at_once_where_streams_spare_a_late_gap_else_once_it_has_run_long() -> None:
+    after_s = 0.3
+    pauses = PromptPauses(LateGapLedger(TARGET_S, 90), after_s=after_s, max_s=1.0)
+    now = 0.0
+    for _ in range(20):  # affords one late gap, none to keep (as above)
+        now = step(pauses.ledger, now, "a")
+    pauses.neighbour(now, has_work=True)
+    assert not pauses.due(now, {"a"})  # a prompt just started: the late gap is kept for a long one
+    assert pauses.due(now + after_s, {"a"})  # it has run long: it gets the pause
+    pauses.neighbour(now, has_work=False)  # it ended without one
+    for _ in range(10):  # 30 tokens: affords one late gap and keeps KEPT_FOR_LONG_PROMPTS
+        now = step(pauses.ledger, now, "a")
+    assert KEPT_FOR_LONG_PROMPTS == 1
+    pauses.neighbour(now, has_work=True)
+    assert pauses.due(now, {"a"})
 
 
 def test_every_stream_held_must_afford_it_and_one_never_seen_cannot() -> None:
