@@ -75,7 +75,6 @@
 #define DOT_OUT_REGS 16
 #define DOT_MAX_ROWS (DOT_OUT_REGS * LANES / 32)
 #define SCORE_CHAINS 8
-#define PACK_TILES 16
 #define ITEM_TOKENS 64
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 64
@@ -503,13 +502,12 @@ static inline __attribute__((always_inline)) void attend_rows_dot(const uint32_t
     }
 }
 
-/* Packs tiles [first, last) of one request's keys for one kv head into `tiles` (load_tile_pairs). */
-static void pack_tiles(const PagedArgs *a, int32_t req, int32_t kv_head, int32_t first, int32_t last,
-                       uint32_t *tiles)
+/* Packs the first `num_tiles` tiles of one request's keys for one kv head into `tiles` (load_tile_pairs). */
+static void pack_tiles(const PagedArgs *a, int32_t req, int32_t kv_head, int64_t num_tiles, uint32_t *tiles)
 {
     const int32_t num_keys = a->seq_lens[req], d_len = a->head_dim, pairs = d_len / 2;
     const int32_t *table = a->block_tables + req * a->bt_stride;
-    for (int32_t t = first; t < last; t++) {
+    for (int32_t t = 0; t < num_tiles; t++) {
         const int32_t key0 = t * KEY_TILE, count = num_keys - key0 < KEY_TILE ? num_keys - key0 : KEY_TILE;
         uint32_t *kp = tiles + t * tile_words(d_len);
         load_tile_pairs(a, table, kv_head, key0, count, kp, kp + pairs * KEY_TILE);
@@ -556,22 +554,21 @@ static void run_item_dot(const PagedArgs *a, const Item *item, const uint32_t *t
 }
 
 /* Requests with at least `min_query_len` rows on the dot path: first each (request, kv head)'s
- * keys and values packed once into tiles (PACK_TILES a task), shared by all its items, then the
- * items. Returns 0, or 4 when it cannot allocate the tiles. */
+ * keys and values packed once into tiles, shared by all its items, then the items. Returns 0,
+ * or 4 when it cannot allocate the tiles. */
 static int run_dot(const PagedArgs *a, const Item *items, int64_t num_items, int32_t min_query_len)
 {
     const int32_t kv_heads = a->num_kv_heads;
     int64_t *tile_at = malloc(sizeof(int64_t) * ((int64_t)a->num_reqs * kv_heads + 1));
     if (tile_at == NULL)
         return 4;
-    int64_t num_tiles = 0, num_tasks = 0;
+    int64_t num_tiles = 0;
     for (int32_t i = 0; i < a->num_reqs; i++) {
         const int32_t q_len = a->query_start_loc[i + 1] - a->query_start_loc[i];
         const int32_t tiles = q_len >= min_query_len && q_len > 0 ? (a->seq_lens[i] + KEY_TILE - 1) / KEY_TILE : 0;
         for (int32_t h = 0; h < kv_heads; h++) {
             tile_at[i * kv_heads + h] = num_tiles;
             num_tiles += tiles;
-            num_tasks += (tiles + PACK_TILES - 1) / PACK_TILES;
         }
     }
     tile_at[(int64_t)a->num_reqs * kv_heads] = num_tiles;
@@ -583,22 +580,9 @@ static int run_dot(const PagedArgs *a, const Item *items, int64_t num_items, int
 #pragma omp parallel
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; task++) {
-            /* the task'th run of PACK_TILES tiles, counted over (request, kv head) in order */
-            int64_t skipped = 0;
-            for (int64_t rh = 0; rh < (int64_t)a->num_reqs * kv_heads; rh++) {
-                const int64_t tiles_here = tile_at[rh + 1] - tile_at[rh];
-                const int64_t runs = (tiles_here + PACK_TILES - 1) / PACK_TILES;
-                if (task < skipped + runs) {
-                    const int32_t first = (int32_t)((task - skipped) * PACK_TILES);
-                    const int32_t last = first + PACK_TILES < tiles_here ? first + PACK_TILES : (int32_t)tiles_here;
-                    pack_tiles(a, (int32_t)(rh / kv_heads), (int32_t)(rh % kv_heads), first, last,
-                               tiles + tile_at[rh] * tile_words(a->head_dim));
-                    break;
-                }
-                skipped += runs;
-            }
-        }
+        for (int64_t rh = 0; rh < (int64_t)a->num_reqs * kv_heads; rh++)
+            pack_tiles(a, (int32_t)(rh / kv_heads), (int32_t)(rh % kv_heads), tile_at[rh + 1] - tile_at[rh],
+                       tiles + tile_at[rh] * tile_words(a->head_dim));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = num_items - 1; k >= 0; k--) {
             const Item *item = &items[k];
