@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from collections.abc import Iterator
 
@@ -28,6 +30,18 @@ if "REDIS_URL" not in os.environ:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _private_redis is not None:
         _private_redis.stop()
+
+
+_LIBC = ctypes.CDLL(None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def give_memory_back() -> None:
+    """Returns to the system, before each module, what the modules before it freed: glibc keeps it
+    in its arenas, and with the test process on 2-10 GiB the stacks that later modules start fault
+    their pages in 2-3x slower on this VM (a 4-worker stack in 30 s, not 13)."""
+    gc.collect()
+    _LIBC.malloc_trim(0)
 
 
 @pytest.fixture(scope="session")
