@@ -54,6 +54,7 @@ def load() -> ctypes.CDLL | None:
     return load_functions(SOURCE, COMPILE_FLAGS, "CPU decode attention", {
         "paged_decode_attention": _ARGTYPES,
         "paged_decode_attention_uses_amx": [_INT32] * 6,  # head_dim, heads, kv heads, block_size, dtype, format
+        "paged_decode_attention_uses_bf16_dot": [_INT32] * 6,  # the same
     })
 
 
@@ -78,15 +79,28 @@ def prefill_uses_bf16_dot(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVF
     return bool(lib.paged_prefill_attention_uses_bf16_dot(q.shape[-1], DTYPE_CODES[q.dtype], code))
 
 
+def decode_uses_bf16_dot(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
+    """Whether `paged_decode_attention` multiplies this query and cache with AVX512-BF16's dot
+    products: a bf16 query and cache with head_dim a multiple of 32, on a CPU that has them and
+    does not take the call to AMX (`runs_on_amx`)."""
+    return _decode_path_is("paged_decode_attention_uses_bf16_dot", q, k_cache, kv_format)
+
+
 def runs_on_amx(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None = None) -> bool:
     """Whether `paged_decode_attention` computes this query and cache on the AMX tile unit: a bf16
     query and cache with head_dim 32 or 64 and at most 16 query heads per kv head, on a CPU with
     AMX whose kernel lets this process use it (see the C source)."""
+    return _decode_path_is("paged_decode_attention_uses_amx", q, k_cache, kv_format)
+
+
+def _decode_path_is(
+    function: str, q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat | None
+) -> bool:
     lib = load()
     if lib is None or _unsupported(q, k_cache) is not None:
         return False
     num_heads, head_dim = q.shape[-2:]
-    return bool(lib.paged_decode_attention_uses_amx(
+    return bool(getattr(lib, function)(
         head_dim, num_heads, k_cache.shape[2], k_cache.shape[1], DTYPE_CODES[q.dtype],
         _format(k_cache, kv_format).code))
 

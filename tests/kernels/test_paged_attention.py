@@ -93,10 +93,12 @@ def cpu_kernel() -> None:
     require_built(cpu_attention.load_prefill, "the CPU prefill attention kernel")
 
 
-# head_dim 80 takes the kernel's generic path; 64 and 128 its specialised ones
-# (and on a CPU with AMX, bf16 head_dim 32 and 64 its tile path)
+# head_dim 80 takes the kernel's generic path; 64 and 128 its specialised ones (and on a CPU
+# with AMX, bf16 head_dim 32 and 64 its tile path; with AVX512-BF16, bf16 96 and 256 the dot
+# path's generic copy)
 CPU_EXTRA_CASES: list[Case] = [
     ([5, 90, 33], [1] * 3, 10, 2, 80, 16), ([300, 1, 47], [1, 1, 1], 9, 3, 64, 16), ([40, 17], [1, 1], 4, 2, 32, 16),
+    ([37, 2], [1, 1], 6, 2, 96, 16), ([40, 3], [1, 1], 4, 2, 256, 16),
 ]
 # prefill chunks over the prefill kernel's work items (64 query tokens) and key blocks (64
 # keys; 16-key tiles on bf16 dot products): several items, a cached prefix ending mid-block, one
@@ -142,30 +144,41 @@ def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.bfloat16])
 
 
-def test_bf16_prefill_runs_on_dot_products_exactly_where_the_cpu_has_them(cpu_kernel: None) -> None:
+def _cpu_has(flag: str) -> bool:
     with open("/proc/cpuinfo") as f:
-        has_bf16_dot = "avx512_bf16" in f.read().split()
+        return flag in f.read().split()
+
+
+def test_bf16_prefill_runs_on_dot_products_exactly_where_the_cpu_has_them(cpu_kernel: None) -> None:
     batch = _batch(EXTEND_CASES[0], torch.bfloat16)
-    assert cpu_attention.prefill_uses_bf16_dot(batch.q, batch.k_cache) == has_bf16_dot
+    assert cpu_attention.prefill_uses_bf16_dot(batch.q, batch.k_cache) == _cpu_has("avx512_bf16")
     assert not cpu_attention.prefill_uses_bf16_dot(batch.q.float(), batch.k_cache.float())
     odd = _batch(([20], [20], 4, 2, 80, 16), torch.bfloat16)  # head_dim 80: not whole 32-lane pairs
     assert not cpu_attention.prefill_uses_bf16_dot(odd.q, odd.k_cache)
 
 
-def _has_amx() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "amx_bf16" in f.read().split()
+def _decode_shape(head_dim: int, num_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode query of one request and a cache of 3 kv heads: what the path checks read."""
+    return torch.zeros(1, num_heads, head_dim, dtype=dtype), torch.zeros(2, 16, 3, head_dim, dtype=dtype)
 
 
 def test_bf16_decode_runs_on_amx_exactly_where_the_cpu_has_it(cpu_kernel: None) -> None:
-    def shape(head_dim: int, num_heads: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(1, num_heads, head_dim, dtype=dtype), torch.zeros(2, 16, 3, head_dim, dtype=dtype)
+    has_amx = _cpu_has("amx_bf16")
+    assert cpu_attention.runs_on_amx(*_decode_shape(64, 9, torch.bfloat16)) == has_amx  # SmolLM2's attention
+    assert cpu_attention.runs_on_amx(*_decode_shape(32, 6, torch.bfloat16)) == has_amx
+    assert not cpu_attention.runs_on_amx(*_decode_shape(64, 9, torch.float32))
+    assert not cpu_attention.runs_on_amx(*_decode_shape(128, 9, torch.bfloat16))  # more output tiles than AMX has
+    assert not cpu_attention.runs_on_amx(*_decode_shape(64, 3 * 17, torch.bfloat16))  # 17 query heads per kv head
 
-    assert cpu_attention.runs_on_amx(*shape(64, 9, torch.bfloat16)) == _has_amx()  # SmolLM2's attention
-    assert cpu_attention.runs_on_amx(*shape(32, 6, torch.bfloat16)) == _has_amx()
-    assert not cpu_attention.runs_on_amx(*shape(64, 9, torch.float32))
-    assert not cpu_attention.runs_on_amx(*shape(128, 9, torch.bfloat16))  # more output tiles than AMX has
-    assert not cpu_attention.runs_on_amx(*shape(64, 3 * 17, torch.bfloat16))  # 17 query heads per kv head
+
+def test_bf16_decode_runs_on_dot_products_where_the_cpu_has_them_and_amx_does_not_take_it(cpu_kernel: None) -> None:
+    has_dot = _cpu_has("avx512_bf16")
+    for head_dim, num_heads in ((64, 9), (128, 9), (32, 6), (64, 3 * 17)):
+        q, k_cache = _decode_shape(head_dim, num_heads, torch.bfloat16)
+        expected = has_dot and not cpu_attention.runs_on_amx(q, k_cache)
+        assert cpu_attention.decode_uses_bf16_dot(q, k_cache) == expected, (head_dim, num_heads)
+    assert not cpu_attention.decode_uses_bf16_dot(*_decode_shape(64, 9, torch.float32))
+    assert not cpu_attention.decode_uses_bf16_dot(*_decode_shape(80, 9, torch.bfloat16))  # not whole 32-lane pairs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
