@@ -550,9 +550,8 @@ static inline __attribute__((always_inline)) void attend_dot(const PagedArgs *a,
                     /* keys past the end read the last real one, whose scores are then dropped */
                     const uint16_t *row = k + (i < n ? i : n - 1) * kst;
                     __m512 s = _mm512_setzero_ps();
-                    for (int c = 0; c < chunks; c++) {
+                    for (int c = 0; c < chunks; c++)
                         s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(row + 32 * c));
-                    }
                     memcpy(&partial[i], &s, sizeof s);
                 }
                 const vfloat sum = sum_lanes_of_each(partial) * a->scale;
@@ -713,7 +712,7 @@ int paged_decode_attention(
     const int same = kv == (dtype != 0 ? KV_BF16 : KV_F32);
     const AttendFn kernel = kernels[dtype != 0][!same][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
     const int amx = amx_takes(dtype, kv, head_dim, num_heads / num_kv_heads, block_size);
-    const int dot = !amx && dot_takes(dtype, kv, head_dim);
+    const int dot = paged_decode_attention_uses_bf16_dot(head_dim, num_heads, num_kv_heads, block_size, dtype, kv);
     /* a request's kv heads in one work item where there are requests enough to go round: the
      * heads of a token sit side by side in a block, so the item then reads whole blocks front
      * to back, which the hardware prefetcher follows */
