@@ -55,6 +55,7 @@ class KVCacheSettings(BaseModel):
 
 
 KVReservation = Literal["paged", "max_length"]
+PromptOrder = Literal["arrival", "shortest"]
 
 
 class SchedulerSettings(BaseModel):
@@ -64,6 +65,18 @@ class SchedulerSettings(BaseModel):
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="with chunked prefill, the most prompt tokens one request takes in a step, so that "
         "shorter prompts behind a long one are prefilled beside its chunks instead of after it; 0: no cap")
+    prompt_order: PromptOrder = Field(
+        "shortest", description="which prompt a step serves first. shortest: the one with the fewest tokens left to "
+        "compute (after its cached prefix), and a step takes more prompts only while they stay within "
+        "prompt_batch_tokens or the first one's share, so a short prompt does not wait for a long one "
+        "(shared/engine/prompt_order.py); arrival: in the order they came, batched up to the step's budget")
+    prompt_batch_tokens: int | None = Field(
+        None, ge=1, description="prompt_order=shortest: prompts share a step only while their tokens in all stay "
+        "within this or the first prompt's share (default: 64 on a CPU, where a step is bound by its arithmetic "
+        "beyond that; max_num_batched_tokens on CUDA)")
+    max_prompt_wait_s: float = Field(
+        10.0, gt=0, description="prompt_order=shortest: a prompt that has waited this long goes ahead of shorter "
+        "ones, so a stream of short prompts cannot starve a long one")
     kv_reservation: KVReservation = Field(
         "paged", description="paged: KV blocks are taken as a request grows; max_length: a request is admitted only "
         "when blocks for its prompt + max_tokens are free, and takes them all at admission (as servers before "

@@ -20,6 +20,7 @@ from kernels.kv_quant import KVFormat, kv_format
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.prompt_order import prompt_order_for
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shared.engine.step_budget import StepBudget, attention_pairs
 from shared.model.llama import LlamaModel
@@ -161,7 +162,8 @@ class Engine:
         sched = settings.scheduler
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill,
-                            sched.kv_reservation, sched.long_prefill_token_threshold),
+                            sched.kv_reservation, sched.long_prefill_token_threshold,
+                            prompt_order_for(sched, device.type)),
             self.kv_cache,
         )
         self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt)

@@ -8,6 +8,7 @@ prefill, resumption after preemption and decode differ only in how far apart the
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType
 
@@ -50,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     grammar: GrammarMatcher | None = None  # where params.structured is set: has accepted every output token
+    arrived_s: float = field(default_factory=time.monotonic)  # when this engine took it (time.monotonic)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

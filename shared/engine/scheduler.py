@@ -5,7 +5,8 @@ decode needs one token, an unfinished chunked prefill the next chunk), then wait
 fill what is left, long prompts in chunks. A step may also be given a cap on its prompt tokens
 (shared/engine/step_budget.py keeps a step beside decodes within the inter-token target); the
 decodes are not counted in it, so a chunk ahead of them in the running list never crowds them
-out of the step. When blocks run out, the most recently started
+out of the step. Prompts go in arrival order, or, with `shortest_first`, the one with the fewest
+tokens left first (shared/engine/prompt_order.py). When blocks run out, the most recently started
 request is preempted: its blocks are freed and it is recomputed later, reusing whatever of
 its prefix is still cached. Under the max_length reservation policy (kept to measure what
 paging buys) a request is admitted only with blocks for its whole length, so it never grows.
@@ -13,11 +14,13 @@ paging buys) a request is admitted only with blocks for its whole length, so it 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import get_args
 
 from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.prompt_order import ShortestFirst
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.settings import KVReservation
 
@@ -30,6 +33,8 @@ class SchedulerConfig:
     kv_reservation: KVReservation = "paged"
     # with chunked prefill, the most prompt tokens one request takes in a step; 0: no cap
     long_prefill_token_threshold: int = 0
+    # None: prompts in arrival order
+    shortest_first: ShortestFirst | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -93,6 +98,10 @@ class Budget:
             granted = min(granted, self.per_prompt)
         return granted if self.prompt_tokens is None else min(granted, self.prompt_tokens)
 
+    def limit_prompts(self, most: int) -> None:
+        """Let the rest of the step take at most `most` more prompt tokens."""
+        self.prompt_tokens = most if self.prompt_tokens is None else min(self.prompt_tokens, most)
+
     def spend(self, wanted: int, granted: int) -> None:
         self.tokens -= granted
         if wanted > 1 and self.prompt_tokens is not None:
@@ -120,7 +129,10 @@ class Scheduler:
         return sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
 
     def next_prompt(self) -> Request | None:
-        """The prompt the next step continues first: a running chunked prefill, else the first waiting."""
+        """The prompt the next step serves first: in arrival order a running chunked prefill, else the
+        first waiting."""
+        if self.config.shortest_first is not None:
+            return next(iter(self._prompts_in_order(self.config.shortest_first)), None)
         chunked = (req for req in self.running if req.num_tokens - req.num_computed_tokens > 1)
         return next(chunked, self.waiting[0] if self.waiting else None)
 
@@ -133,17 +145,24 @@ class Scheduler:
         # finish in the next step instead of after the long one's last
         per_prompt = cap if cap and self.config.enable_chunked_prefill else None
         budget = Budget(self.config.max_num_batched_tokens, max_prompt_tokens, per_prompt)
-        self._schedule_running(batch, budget)
+        order = self.config.shortest_first
+        self._schedule_running(batch, budget, decodes_only=order is not None)
         if not batch.preempted:
-            self._schedule_waiting(batch, budget)
+            if order is None:
+                self._schedule_waiting(batch, budget)
+            else:
+                self._schedule_prompts_in_order(batch, budget, order)
         batch.block_tables = [self.kv_cache.block_ids(req.req_id) for req in batch.reqs]
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: Budget) -> None:
+    def _schedule_running(self, batch: ScheduledBatch, budget: Budget, decodes_only: bool = False) -> None:
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             wanted = req.num_tokens - req.num_computed_tokens
+            if decodes_only and wanted > 1:
+                i += 1
+                continue
             num_new = budget.grant(wanted)
             if num_new == 0:  # a chunk, with no prompt tokens left this step
                 i += 1
@@ -162,27 +181,85 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: Budget) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            holds_blocks = bool(self.kv_cache.blocks(req.req_id))
-            cached = [] if holds_blocks else self.kv_cache.find_cached_prefix(req)
-            num_computed = req.num_computed_tokens if holds_blocks else len(cached) * self.kv_cache.block_size
-            wanted = req.num_tokens - num_computed
-            num_new = budget.grant(wanted)
-            if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
+            if self._admit(batch, budget, self.waiting[0]) is None:
                 break
-            if not self.kv_cache.allocate_slots(req, num_new, cached, self._tokens_to_reserve(req)):
+
+    def _admit(self, batch: ScheduledBatch, budget: Budget, req: Request) -> int | None:
+        """Start a waiting request with the tokens the step grants it (returned); None where the step
+        cannot take it: no tokens left, a whole prompt that does not fit unchunked, or no blocks."""
+        holds_blocks = bool(self.kv_cache.blocks(req.req_id))
+        cached = [] if holds_blocks else self.kv_cache.find_cached_prefix(req)
+        num_computed = req.num_computed_tokens if holds_blocks else len(cached) * self.kv_cache.block_size
+        wanted = req.num_tokens - num_computed
+        num_new = budget.grant(wanted)
+        if num_new < wanted and (num_new == 0 or not self.config.enable_chunked_prefill):
+            return None
+        if not self.kv_cache.allocate_slots(req, num_new, cached, self._tokens_to_reserve(req)):
+            return None
+        self.waiting.remove(req)
+        if not holds_blocks:
+            req.num_computed_tokens = num_computed
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_computed
+                self.kv_cache.record_prefix_lookup(req.num_prompt_tokens, num_computed)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        batch.reqs.append(req)
+        batch.num_new_tokens.append(num_new)
+        budget.spend(wanted, num_new)
+        return num_new
+
+    def _prompts_in_order(self, order: ShortestFirst) -> list[Request]:
+        """Running chunked prompts and waiting requests, in the order `order` serves them."""
+        chunked = [req for req in self.running if req.num_tokens - req.num_computed_tokens > 1]
+        return order.order([*chunked, *self.waiting], self._tokens_left, time.monotonic())
+
+    def _tokens_left(self, req: Request) -> int:
+        """Tokens a prompt has still to compute: a new one's cached prefix is not among them."""
+        if self.kv_cache.blocks(req.req_id):
+            return req.num_tokens - req.num_computed_tokens
+        return req.num_tokens - len(self.kv_cache.find_cached_prefix(req)) * self.kv_cache.block_size
+
+    def _schedule_prompts_in_order(self, batch: ScheduledBatch, budget: Budget, order: ShortestFirst) -> None:
+        """Prompts after the decodes, running chunks and waiting ones alike in `order`; the first one's
+        share sets how many more prompt tokens the step takes. A preemption ends the step's prompts,
+        as in arrival order, so the request preempted is not started again in the same step."""
+        first_share: int | None = None
+        for req in self._prompts_in_order(order):
+            if budget.tokens <= 0 or batch.preempted:
                 break
-            self.waiting.popleft()
-            if not holds_blocks:
-                req.num_computed_tokens = num_computed
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = num_computed
-                    self.kv_cache.record_prefix_lookup(req.num_prompt_tokens, num_computed)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            batch.reqs.append(req)
-            batch.num_new_tokens.append(num_new)
-            budget.spend(wanted, num_new)
+            if req.status is RequestStatus.RUNNING:
+                wanted = req.num_tokens - req.num_computed_tokens
+                num_new = budget.grant(wanted)
+                if num_new == 0 or not self._allocate_chunk(batch, req, num_new):
+                    break
+                batch.reqs.append(req)
+                batch.num_new_tokens.append(num_new)
+                budget.spend(wanted, num_new)
+            elif len(self.running) >= self.config.max_num_seqs:
+                break
+            else:
+                admitted = self._admit(batch, budget, req)
+                if admitted is None:
+                    break
+                num_new = admitted
+            if first_share is None:
+                first_share = num_new
+                budget.limit_prompts(order.step_prompt_tokens(num_new) - num_new)
+
+    def _allocate_chunk(self, batch: ScheduledBatch, req: Request, num_new: int) -> bool:
+        """Blocks for a running prompt's next chunk, preempting the running prompt with the most tokens
+        left that this step does not include, which may be `req` itself (then False)."""
+        while not self.kv_cache.allocate_slots(req, num_new):
+            scheduled = {id(r) for r in batch.reqs}
+            others = [r for r in self.running if id(r) not in scheduled and r.num_tokens - r.num_computed_tokens > 1]
+            victim = max(others, key=lambda r: r.num_tokens - r.num_computed_tokens)
+            self.running.remove(victim)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
 
     def _tokens_to_reserve(self, req: Request) -> int:
         """Tokens whose blocks a request takes at admission: none ahead of need when paged; under

@@ -44,7 +44,8 @@ def make_engine(
     settings = EngineSettings(
         model=ModelSettings(dtype="float32", device="cpu"),
         kv_cache=kv,
-        scheduler=SchedulerSettings(max_num_batched_tokens=budget, max_num_seqs=64),
+        # arrival order batches prompts of mixed lengths into one step, which these tests check
+        scheduler=SchedulerSettings(max_num_batched_tokens=budget, max_num_seqs=64, prompt_order="arrival"),
     )
     return Engine(settings, loaded)
 

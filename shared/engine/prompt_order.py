@@ -1,0 +1,66 @@
+"""Which prompt a step serves first: in arrival order, or the one with the fewest tokens left.
+
+On a CPU a prefill step is bound by its arithmetic from a few dozen tokens on: a 1,024-token
+prompt takes 2.1 s on two Zen 2 cores in float32 and a 64-token one 0.14 s, and the two in one
+step take as long as both one after the other. Batching prompts then gains nothing, and a short
+prompt that shares a step with a long one, or waits behind it, has its first token as late as the
+long one's. Serving the prompt with the fewest tokens left first (shortest remaining processing
+time, which minimises the mean wait of a single server) and letting a step take more prompts only
+while they stay small beside the first, a short prompt waits at most for the step in flight.
+On those cores, under Poisson arrivals of a chat mix (bench/goodput.py, TTFT target 2.5 s), 90-97%
+of the prompts met the target up to 0.4 req/s in this order against 81-92% in arrival order.
+
+A prompt that has waited `max_wait_s` goes ahead of shorter ones, in arrival order, so that long
+prompts are not starved while short ones keep coming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from shared.engine.request import Request
+from shared.settings import SchedulerSettings
+
+# prompt tokens from which a CPU prefill step is bound by its arithmetic: 64 float32 tokens take
+# 142 ms on two Zen 2 cores, of which about 11 ms does not grow with the tokens
+CPU_BATCH_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ShortestFirst:
+    """The order and the step-sharing rule of the "shortest" prompt order."""
+
+    batch_tokens: int  # prompts share a step only while their tokens stay within this or the first one's share
+    max_wait_s: float
+
+    def __post_init__(self) -> None:
+        if self.batch_tokens < 1:
+            raise ValueError(f"prompt_batch_tokens must be at least 1, got {self.batch_tokens}")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"max_prompt_wait_s must be positive, got {self.max_wait_s}")
+
+    def order(self, prompts: Iterable[Request], tokens_left: Callable[[Request], int], now: float) -> list[Request]:
+        """Prompts that waited too long first, oldest first; then the fewest tokens left first,
+        the oldest first among equals."""
+
+        def key(req: Request) -> tuple[int, int, float]:
+            if now - req.arrived_s >= self.max_wait_s:
+                return (0, 0, req.arrived_s)
+            return (1, tokens_left(req), req.arrived_s)
+
+        return sorted(prompts, key=key)
+
+    def step_prompt_tokens(self, first_share: int) -> int:
+        """Prompt tokens a step may take in all, given what its first prompt takes."""
+        return max(first_share, self.batch_tokens)
+
+
+def prompt_order_for(settings: SchedulerSettings, device_type: str) -> ShortestFirst | None:
+    """The scheduler's prompt order from its settings on this device; None: arrival order."""
+    if settings.prompt_order == "arrival":
+        return None
+    batch_tokens = settings.prompt_batch_tokens
+    if batch_tokens is None:
+        batch_tokens = CPU_BATCH_TOKENS if device_type == "cpu" else settings.max_num_batched_tokens
+    return ShortestFirst(batch_tokens, settings.max_prompt_wait_s)
