@@ -7,8 +7,10 @@ prompt that shares a step with a long one, or waits behind it, has its first tok
 long one's. Serving the prompt with the fewest tokens left first (shortest remaining processing
 time, which minimises the mean wait of a single server) and letting a step take more prompts only
 while they stay small beside the first, a short prompt waits at most for the step in flight.
-On those cores, under Poisson arrivals of a chat mix (bench/goodput.py, TTFT target 2.5 s), 90-97%
-of the prompts met the target up to 0.4 req/s in this order against 81-92% in arrival order.
+On those cores, under Poisson arrivals of a chat mix (bench/goodput.py, TTFT target 2.5 s), this
+order met the targets for 4-20 more requests in 100 than arrival order at 0.4-0.7 req/s in two
+pairs of runs; below that, for 4-16 more in one pair and 3 fewer in the other (docs/benchmarks.md,
+machine T).
 
 A prompt that has waited `max_wait_s` goes ahead of shorter ones, in arrival order, so that long
 prompts are not starved while short ones keep coming.
