@@ -101,6 +101,9 @@ class RedisSettings(BaseModel):
     url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS), with user:password if needed")
     namespace: str = Field("llmd", description="prefix of every key and stream this deployment uses")
     socket_timeout_s: float = Field(5.0, gt=0, description="bound on one Redis call, so outages surface quickly")
+    max_connections: int = Field(
+        64, ge=4, description="most connections one service opens to Redis; beyond them a call waits up to "
+        "socket_timeout_s for a free one, so a burst of requests queues rather than fails")
 
 
 class LatencyTargetSettings(BaseModel):

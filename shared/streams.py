@@ -95,8 +95,12 @@ class Bus:
     def __init__(self, settings: RedisSettings) -> None:
         self.settings = settings
         self.keys = Keys(settings.namespace)
-        self.redis = aioredis.from_url(
+        # A burst of requests queues for a free connection instead of failing: redis-py's plain pool
+        # refuses a command outright once max_connections are in use (100 by default).
+        pool = aioredis.BlockingConnectionPool.from_url(
             settings.url,
+            max_connections=settings.max_connections,
+            timeout=settings.socket_timeout_s,
             socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=settings.socket_timeout_s,
             health_check_interval=10,
@@ -105,6 +109,7 @@ class Bus:
             # may have run the command (an XADD twice)
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2, supported_errors=(RedisConnectionError,)),
         )
+        self.redis = aioredis.Redis.from_pool(pool)
 
     async def close(self) -> None:
         await self.redis.aclose()

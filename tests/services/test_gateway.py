@@ -568,6 +568,20 @@ async def test_full_gateway_answers_429_with_retry_after(start: Start, worker: F
         assert f'llmd_requests_rejected_total{{model_name="{MODEL}"}} 1.0' in (await resp.text()).splitlines()
 
 
+async def test_a_burst_beyond_the_redis_pool_waits_for_connections(
+    start: Start, worker: FakeWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More requests at once than the gateway has Redis connections: each waits for a free one
+    (redis-py's plain pool would refuse the command, a 503), and every one is answered."""
+    monkeypatch.setenv("LLMD_REDIS__MAX_CONNECTIONS", "4")
+    client = await start()
+    calls = [asyncio.create_task(post(client, "/v1/completions", {"prompt": "Hello", "max_tokens": 1}))
+             for _ in range(40)]
+    for _ in calls:
+        await worker.reply(await worker.next_request(), [WORLD], finish_reason="stop")
+    assert [status for status, _, _ in await asyncio.gather(*calls)] == [200] * len(calls)
+
+
 # ---- auth, models, tokenize, probes, metrics -----------------------------------------------------
 
 
