@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import _triton, cpu_attention
 from kernels._triton import jit, tl
@@ -29,6 +30,10 @@ PARTITION_SIZE = 512
 # Longer contexts get longer partitions rather than a partials buffer that grows with them.
 MAX_PARTITIONS = 64
 _LOG2E = 1.4426950408889634
+# cuDNN's attention (torch 2.11 with CUDA 13.0, on an H200) ignores a per-request boolean mask on a
+# few rows in bfloat16 and float16 at head_dim 128, so they attend to slots past their length: the
+# masked reference calls leave it out (the kernels agree with a float64 softmax there, cuDNN does not)
+_MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @jit
@@ -257,6 +262,13 @@ def _gather_kv(
     return from_cache(kv[:, :num_keys], kv_format, dtype).transpose(1, 2)
 
 
+def _masked_sdpa(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool
+) -> torch.Tensor:
+    with sdpa_kernel(_MASKED_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
 def _decode_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, kv_format: KVFormat,
@@ -279,7 +291,7 @@ def _decode_ref(
         valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [num_reqs, max_len]
         # padded slots are masked out of the softmax, so their (finite) values get weight 0
         mask = valid[:, None, None, :]  # [num_reqs, 1, 1, max_len]
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = _masked_sdpa(query, k, v, mask, scale, gqa)
     return out.squeeze(2)  # [num_reqs, num_heads, head_dim]
 
 
@@ -308,7 +320,7 @@ def _extend_ref(
             key_pos = torch.arange(seq_len, device=q.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
-            o = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = _masked_sdpa(query, k, v, mask, scale, gqa)
         out[q_start:q_end] = o[0].transpose(0, 1)
     return out
 

@@ -10,7 +10,7 @@ from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref, paged_attention_triton
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref
-from tests.kernels.paged_batch import make_paged_batch
+from tests.kernels.paged_batch import dense_causal_attention, make_paged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,6 +36,15 @@ def test_decode_matches_ref(shape: tuple[int, int, int, int], partition_size: in
     batch = make_paged_batch(seq_lens, [1] * len(seq_lens), *shape, dtype=dtype, device="cuda")
     out = paged_attention_triton(*batch.args, partition_size=partition_size)
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **ATTENTION_TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_masks_each_request_to_its_length(dtype: torch.dtype) -> None:
+    # cuDNN's attention, were the reference to use it, lets a few rows read the poisoned slots here
+    seq_lens = [*_seq_lens(30, 3000, seed=1), 1, 4096]
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), *SHAPES[0], dtype=dtype, device="cuda")
+    exact = dense_causal_attention(batch)
+    torch.testing.assert_close(paged_attention_ref(*batch.args).double(), exact, atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
