@@ -39,9 +39,10 @@ def prompt(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": "Describe a person as JSON."}])
 
 
-def make_engine(loaded: LoadedModel) -> Engine:
+def make_engine(loaded: LoadedModel, device: str = "cpu", dtype: str = "float32") -> Engine:
     settings = EngineSettings(
-        model=ModelSettings(dtype="float32", device="cpu"), kv_cache=KVCacheSettings(memory_bytes=64 * 2**20)
+        model=ModelSettings(dtype=dtype, device=device),  # type: ignore[arg-type]
+        kv_cache=KVCacheSettings(memory_bytes=64 * 2**20),
     )
     return Engine(settings, loaded)
 
@@ -75,6 +76,10 @@ def text_of(tokenizer: Tokenizer, token_ids: list[int]) -> str:
 
 
 def test_every_kind_of_constraint_holds(engine: Engine, tokenizer: Tokenizer, prompt: list[int]) -> None:
+    check_every_kind_of_constraint(engine, tokenizer, prompt)
+
+
+def check_every_kind_of_constraint(engine: Engine, tokenizer: Tokenizer, prompt: list[int]) -> None:
     specs = {
         "schema": StructuredSpec("json_schema", json.dumps(PERSON)),
         "object": StructuredSpec("json_object"),

@@ -29,6 +29,22 @@ def test_dry_run_checks_and_times_every_kernel_on_cpu(tmp_path: Path, capsys: py
     assert "decode batch x context" in capsys.readouterr().out
 
 
+def test_skip_kernels_times_the_whole_model_alone(tmp_path: Path, model_path: str) -> None:
+    assert gpu_bench.main(["--dry-run", "--skip-kernels", "--model", model_path, "--out", str(tmp_path)]) == 0
+
+    (path,) = tmp_path.glob("gpu_bench-*-dry-run.json")
+    report = json.loads(path.read_text())
+    assert report["checks"] == [] and report["decode"] == [] and report["elementwise"] == []
+    plan = gpu_bench.DRY_RUN_MODEL_PLAN
+    assert set(report["model"]["decode_step_ms"]) == {str(batch) for batch in plan.batch_sizes}
+    assert report["model"]["offline"]["output_tokens"] == plan.offline_prompts * plan.offline_max_tokens
+
+
+def test_skip_kernels_without_a_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        gpu_bench.main(["--dry-run", "--skip-kernels", "--out", str(tmp_path)])
+
+
 def test_prefill_flops_count_each_query_against_its_visible_keys() -> None:
     report = gpu_bench.Report(device="cpu", dtype="torch.float32")
     shapes = gpu_bench.Shapes(
