@@ -128,6 +128,7 @@ class Worker:
         self.health_port: int | None = None
         self.stopping = asyncio.Event()  # first SIGTERM/SIGINT: drain
         self.stopped = asyncio.Event()  # second signal, or drained: stop now
+        self.serving = False  # started: reads its streams, so a stop signal drains what it took
         self.capacity_changed = asyncio.Event()
         # entries read from each stream and not yet through their handler: a batch is handled one
         # entry at a time, so the last may wait behind long engine calls; no reclaimer takes them
@@ -204,6 +205,8 @@ class Worker:
             self.settings.torch_threads or "default" if threads is None else f"1-{threads}, leased from the neighbours",
         )
         await with_backoff(self.setup, "creating consumer groups", self.stopped)
+        if self.stopped.is_set():  # told to stop before it took any work: nothing to drain
+            return
         if self.kv_publisher is not None:
             await self._start_kv_events(engine)
         await self._publish_status()
@@ -211,12 +214,19 @@ class Worker:
         if self.kv_publisher is not None:
             self._tasks.append(self._spawn_forever(self._kv_events_loop(self.kv_publisher)))
         self._tasks += [self._spawn_forever(coro) for coro in self.serve_tasks()]
+        self.serving = True
         logger.info("serving: inbox %s, redis %s namespace %s", self.inbox, self.settings.redis.url,
                     self.settings.redis.namespace)
 
     def request_stop(self) -> None:
         if self.stopping.is_set():
             logger.warning("second stop signal: stopping now without finishing held work")
+            self.stopped.set()
+            return
+        if not self.serving:
+            # it holds no work yet, and a start that waits for Redis would otherwise wait forever
+            logger.info("stop signal while starting: stopping")
+            self.stopping.set()
             self.stopped.set()
             return
         logger.info("stop signal: draining (no new work; finishing what is held)")

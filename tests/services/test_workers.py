@@ -22,7 +22,7 @@ from services.decode.worker import DecodeWorker
 from services.engine_thread import EngineThread
 from services.health import create_health_app
 from services.kv_transfer import RedisKVConnector
-from services.launcher import RedisServer, Stack, StackConfig
+from services.launcher import RedisServer, Stack, StackConfig, free_port
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.worker import PrefillWorker
 from services.worker_base import Worker
@@ -283,6 +283,30 @@ async def test_a_drain_ends_once_redis_has_been_gone_longer_than_the_heartbeat_t
     finally:
         worker.stopped.set()
         await worker.close()
+
+
+async def test_a_stop_while_starting_without_redis_ends_the_worker(
+    loaded_model: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker told to stop before it serves holds no work: it stops, instead of waiting for a
+    Redis that may never come (the launcher that started it and its private Redis are gone)."""
+    settings = WorkerServiceSettings(
+        redis=RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=1),  # nothing listens
+        model=ModelSettings(dtype="float32"),
+        kv_cache=KVCacheSettings(memory_bytes=NUM_BLOCKS * block_bytes(loaded_model)),
+        worker=WorkerSettings(worker_id="decode-orphan", health_port=0),
+    )
+    worker = DecodeWorker(settings)
+    run = asyncio.create_task(worker.run(handle_signals=False))
+
+    async def waiting_for_redis() -> bool:
+        return any("creating consumer groups: Redis unavailable" in r.message for r in caplog.records)
+
+    await eventually(waiting_for_redis, "the worker to wait for Redis")
+    worker.request_stop()
+    async with asyncio.timeout(WAIT_S):
+        await run
+    assert not worker.serving and not worker.failed
 
 
 async def _read_one(gateway: FakeGateway, stream: str) -> object:
