@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.cpu_share import SLOT, CoreLease, cpu_list_text
-from services.engine_thread import EngineThread
+from services.engine_thread import ENGINE_GIL_SWITCH_INTERVAL_S, EngineThread
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
 from tests.services.test_faults import until
@@ -223,6 +223,7 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
         thread = EngineThread()
         neighbour = host.lease("neighbour")
         engine = await thread.load(settings)
+        assert sys.getswitchinterval() == ENGINE_GIL_SWITCH_INTERVAL_S  # the loop hands the GIL back sooner
         assert await thread.call(torch.get_num_threads) == 1  # loaded on its share beside the neighbour
         assert thread.torch_threads == 2
         assert host.slots() and set(host.slots().values()) == {(0, 0)}  # loaded, idle: holds nothing
