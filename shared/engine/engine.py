@@ -298,9 +298,9 @@ class Engine:
         """The prompt tokens this step may take: capped only while requests decode (`StepBudget`)."""
         if self.step_budget is None:
             return None
-        prompt = self.scheduler.next_prompt()
-        num_decoding = self.scheduler.num_decoding if prompt is not None else 0
-        if not num_decoding:
+        num_decoding = self.scheduler.num_decoding  # first: it is cheap, and finding the prompt may sort them all
+        prompt = self.scheduler.next_prompt() if num_decoding else None
+        if prompt is None:
             return None
         # a waiting prompt's cached prefix is not looked up here: its context counts as computed so far
         return self.step_budget.prompt_tokens(num_decoding, prompt.num_computed_tokens)
