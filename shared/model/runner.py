@@ -115,33 +115,42 @@ class ModelRunner:
         return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInput:
+        # Built in numpy, then one tensor per input: every torch call lets go of the GIL, and the
+        # engine thread may wait for the event loop to hand it back after each (see
+        # services/engine_thread.py); on an H200 building a decode step's inputs took most of the
+        # engine thread's time when it was a dozen torch calls plus one per request.
+        num_reqs = len(batch.reqs)
         token_ids: list[int] = []
         for req, num_new in zip(batch.reqs, batch.num_new_tokens):
             token_ids.extend(req.token_ids[req.num_computed_tokens : req.num_computed_tokens + num_new])
-        num_new = torch.tensor(batch.num_new_tokens, dtype=torch.int64)
-        starts = torch.tensor([req.num_computed_tokens for req in batch.reqs], dtype=torch.int64)
-        query_start_loc = torch.zeros(len(batch.reqs) + 1, dtype=torch.int64)
-        torch.cumsum(num_new, 0, out=query_start_loc[1:])
-        req_index = torch.repeat_interleave(torch.arange(len(batch.reqs)), num_new)  # [num_tokens]
-        positions = torch.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[req_index]
+        num_new_tokens = np.array(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((req.num_computed_tokens for req in batch.reqs), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_new_tokens, out=query_start_loc[1:])
+        req_index = np.repeat(np.arange(num_reqs), num_new_tokens)  # [num_tokens]
+        positions = np.arange(len(token_ids)) - (query_start_loc[:-1] - starts)[req_index]
         block_tables = _pad_block_tables(batch.block_tables)
-        slot_mapping = block_tables[req_index, positions // self.block_size].long() * self.block_size + (
+        slot_mapping = block_tables[req_index, positions // self.block_size].astype(np.int64) * self.block_size + (
             positions % self.block_size
         )
-        sampling_rows = torch.tensor([i for i in range(len(batch.reqs)) if batch.samples(i)], dtype=torch.int64)
+        sampling_rows = np.fromiter((i for i in range(num_reqs) if batch.samples(i)), dtype=np.int64)
         device = self.device
+
+        def on_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables.to(device),
-            seq_lens=(starts + num_new).to(device=device, dtype=torch.int32),
-            query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+            slot_mapping=on_device(slot_mapping),
+            block_tables=on_device(block_tables),
+            seq_lens=on_device((starts + num_new_tokens).astype(np.int32)),
+            query_start_loc=on_device(query_start_loc.astype(np.int32)),
             max_query_len=max(batch.num_new_tokens),
         )
         return ModelInput(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=positions.to(device),
+            input_ids=on_device(np.array(token_ids, dtype=np.int64)),
+            positions=on_device(positions),
             meta=meta,
-            logits_indices=(query_start_loc[1:][sampling_rows] - 1).to(device),
+            logits_indices=on_device(query_start_loc[1:][sampling_rows] - 1),
         )
 
     # Both copies run on a helper thread while a step runs. On the CPU they copy through numpy, one
@@ -224,9 +233,9 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(_SAME_WIDTH_INTS[tensor.element_size()]).numpy()
 
 
-def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+def _pad_block_tables(block_tables: list[list[int]]) -> np.ndarray:
     width = max((len(t) for t in block_tables), default=0)
-    out = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int32)
+    out = np.zeros((len(block_tables), max(width, 1)), dtype=np.int32)
     for i, table in enumerate(block_tables):
-        out[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        out[i, : len(table)] = table
     return out
