@@ -65,7 +65,7 @@ class EngineThread:
         self._layer = 0  # the next decoder layer of the step in progress
         self._pacer: StepPacer | None = None
         self._pauses: PromptPauses | None = None
-        self._unfinished: frozenset[str] = frozenset()  # the engine's requests after the last call
+        self._held: dict[str, int] = {}  # the engine's requests after the last call, with their sure output tokens
         self.lent_s = 0.0  # seconds the engine lent its cores to a neighbour while it had work (pacing)
         self.num_pauses = 0  # pauses the late-gap allowance bought a neighbour
 
@@ -196,19 +196,19 @@ class EngineThread:
             pauses.neighbour(now, neighbour_has_work)
         if not neighbour_has_work:
             return
-        pausing = pauses if pauses is not None and pauses.due(now, self._unfinished) else None
+        pausing = pauses if pauses is not None and pauses.due(now, self._held) else None
         if pausing is not None:
             self.num_pauses += 1
             pause = pausing.max_s
         elif not (pause := pacer.pause_s(now)):
             return
-        paused = self._unfinished
+        paused = frozenset(self._held)
         await self.call(self._lease.lend)
         lent_at = self._clock()
         deadline = lent_at + pause
         while (left := deadline - self._clock()) > 0 and self._lease.neighbour_has_work():
-            if pausing is not None and not self._unfinished <= paused:
-                break  # a request committed meanwhile: it has no gap to spare
+            if pausing is not None and not pausing.goes_on(self._held, paused):
+                break  # a request committed meanwhile cannot spare its first gap
             await asyncio.sleep(min(left, LEND_POLL_S))
         self.lent_s += self._clock() - lent_at
 
@@ -240,7 +240,7 @@ class EngineThread:
             if self._engine is not None:
                 self.stats = self._engine.stats()
                 if self._pauses is not None:
-                    self._unfinished = self._engine.unfinished_ids()
+                    self._held = self._engine.unfinished_sure_tokens()
                 self.num_steps = self._engine.num_steps
                 if self.after_call is not None:
                     self.after_call()

@@ -9,6 +9,11 @@ So the worker counts each stream's late gaps, and where every stream it holds ca
 and still meet its percentile, it pauses them all once and gives the prompt every core until the
 prompt is done: one late gap per stream, however long the pause. A stream whose first gap it did
 not see (from the prefill worker's first token to its own first) counts that gap as late.
+A stream whose length is sure (`ignore_eos`, or `min_tokens`: shared/engine/request.py) plans on
+all of it instead of the gaps seen so far: one of 96 tokens may take 9 late gaps over its life, and
+counted only as its gaps come it could take its first pause after 20 tokens, so under steady
+arrivals some young stream nearly always forbade the pause. It keeps PLANNED_RESERVE of them for
+gaps no pause caused (a step slowed by a neighbour's layer).
 A long prompt gets its pause once it has kept the neighbour busy a share of the TTFT target; any
 prompt gets one at once where every stream could still take another late gap after it, so a
 median prompt is not prefilled on the cores paced decode leaves (about 30% slower on 2 cores) while
@@ -17,7 +22,7 @@ the streams keep a late gap for the next long one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from shared.engine.engine import RequestOutput
@@ -31,6 +36,8 @@ PAUSE_AFTER_TTFT_SHARE = 0.25
 # late gaps each stream must still afford after a pause that starts as soon as a prompt does: kept
 # for a long prompt, which misses its target without a pause where a short one only comes later
 KEPT_FOR_LONG_PROMPTS = 1
+# late gaps a stream that plans on its sure length keeps for ones no pause caused
+PLANNED_RESERVE = 1
 
 
 @dataclass(slots=True)
@@ -38,6 +45,13 @@ class _Stream:
     token_at: float
     gaps: int = 1  # the unseen first gap, from the prefill worker's token to this worker's first
     late: int = 1  # ... counted late
+
+
+def late_gaps_allowed(self, percentile: int) -> int:
+        """The late gaps it may have in all, counting the gap a pause now would add."""
+        if self.sure_gaps > self.gaps + 1:  # plans on the rest of its sure length
+            return late_gaps_allowed(self.sure_gaps, percentile) - PLANNED_RESERVE
+        return late_gaps_allowed(self.gaps + 1, percentile)
 
 
 def late_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -75,20 +89,28 @@ class LateGapLedger:
         for req_id in finished:
             self._streams.pop(req_id, None)
 
-    def affords_a_pause(self, req_ids: Iterable[str], kept: int = 0) -> bool:
-        """Whether each of the streams `req_ids` (those the engine holds now) can take one more late
-        gap, and `kept` more after it, and still meet its percentile; one not seen yet cannot.
-        Forgets streams no longer held (aborted ones)."""
-        held = set(req_ids)
-        for gone in self._streams.keys() - held:
+    def _late_gaps_allowed(self, num_gaps: int, sure_tokens: int) -> int:
+        """The late gaps a stream may have in all once it has `num_gaps`: planned on its sure length
+        while that is longer (its first token is the prefill worker's), less PLANNED_RESERVE."""
+        sure_gaps = sure_tokens - 1
+        if sure_gaps > num_gaps:
+            return late_gaps_allowed(sure_gaps, self.percentile) - PLANNED_RESERVE
+        return late_gaps_allowed(num_gaps, self.percentile)
+
+    def affords_a_pause(self, held: Mapping[str, int], kept: int = 0) -> bool:
+        """Whether each stream the engine holds (`held`: each request's sure output tokens, 0 where
+        unknown) can take one more late gap, and `kept` more after it, and still meet its percentile.
+        For a stream without a token from this worker yet the pause lengthens its first gap, which
+        counts as late already. Forgets streams no longer held (aborted ones)."""
+        for gone in self._streams.keys() - held.keys():
             del self._streams[gone]
-        if not held:
-            return False
-        for req_id in held:
-            stream = self._streams.get(req_id)
-            if stream is None or stream.late + 1 + kept > late_gaps_allowed(stream.gaps + 1, self.percentile):
-                return False
-        return True
+        return bool(held) and all(self.stream_affords_a_pause(r, sure, kept) for r, sure in held.items())
+
+    def stream_affords_a_pause(self, req_id: str, sure_tokens: int, kept: int = 0) -> bool:
+        """`affords_a_pause` for one stream."""
+        stream = self._streams.get(req_id)
+        num_gaps, late = (1, 0) if stream is None else (stream.gaps + 1, stream.late)
+        return late + 1 + kept <= self._late_gaps_allowed(num_gaps, sure_tokens)
 
 
 class PromptPauses:
@@ -96,7 +118,7 @@ class PromptPauses:
     stream affords a late gap and KEPT_FOR_LONG_PROMPTS more; else once the neighbour has been busy
     for `after_s` (a prompt that ends sooner meets its target without the pause, and a pause spent
     on it is one the next long prompt cannot have) and every stream affords a late gap; for at most
-    `max_s` (a request committed meanwhile ends it: it has no gap to spare)."""
+    `max_s`. A request committed meanwhile ends it unless the pause can be its first gap."""
 
     def __init__(self, ledger: LateGapLedger, after_s: float, max_s: float) -> None:
         self.ledger = ledger
@@ -115,9 +137,15 @@ class PromptPauses:
         elif self._busy_since is None:
             self._busy_since = now
 
-    def due(self, now: float, held: Iterable[str]) -> bool:
+    def due(self, now: float, held: Mapping[str, int]) -> bool:
+        """Whether to pause the streams `held` (as in `LateGapLedger.affords_a_pause`) now."""
         busy_since = self._busy_since
         if busy_since is None:
             return False
         kept = 0 if now - busy_since >= self.after_s else KEPT_FOR_LONG_PROMPTS
         return self.ledger.affords_a_pause(held, kept)
+
+    def goes_on(self, held: Mapping[str, int], paused: Set[str]) -> bool:
+        """Whether a pause of the streams `paused` goes on now that the engine holds `held`: the
+        streams committed since must each afford it as their first gap."""
+        return all(self.ledger.stream_affords_a_pause(r, sure) for r, sure in held.items() if r not in paused)

@@ -269,9 +269,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def unfinished_ids(self) -> frozenset[str]:
-        """The requests the scheduler holds, running or waiting."""
-        return frozenset(req.req_id for reqs in (self.scheduler.running, self.scheduler.waiting) for req in reqs)
+    def unfinished_sure_tokens(self) -> dict[str, int]:
+        """The requests the scheduler holds, running or waiting, each with `Request.num_sure_output_tokens`."""
+        return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
+                for req in reqs}  # fmt: skip
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()

@@ -77,6 +77,18 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
 
+    @property
+    def num_sure_output_tokens(self) -> int:
+        """The output tokens this request produces unless it is aborted: `min_tokens`, or its whole
+        length where only that can end it (`ignore_eos` and no stop ids); none where stop strings (the
+        gateway matches them on any token) or a grammar (it ends when complete) may end it sooner; at
+        most what the context leaves. A paced decode worker plans late gaps on it (services/late_gaps.py)."""
+        params = self.params
+        if params.stop or params.structured is not None:
+            return 0
+        sure = params.max_tokens if params.ignore_eos and not params.stop_token_ids else params.min_tokens
+        return min(sure, self.max_model_len - self.num_prompt_tokens)
+
     def append_output(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)

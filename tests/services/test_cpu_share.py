@@ -332,6 +332,17 @@ def test_a_paced_engine_pauses_its_streams_for_a_neighbours_prompt_only_where_th
         assert await step_beside_a_prompt(5.0) == [2] and thread.num_pauses == 1
         assert await step_beside_a_prompt(0.0) == [1]  # that gap is spent
         assert thread.num_pauses == 1
+        while engine.has_unfinished:
+            now[0] += 0.95
+            await thread.step()
+
+        # a stream whose length is sure plans on all of it: 95 gaps may have 9 late, so it pauses at once
+        params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+        await thread.call(engine.add_request, "s", [1, 2, 3, 4], params)
+        for _ in range(2):  # its prompt, then its first gap (counted late)
+            now[0] += 0.95
+            await thread.step()
+        assert await step_beside_a_prompt(5.0) == [2] and thread.num_pauses == 2
         thread.shutdown()
 
     asyncio.run(run())

@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.late_gaps import KEPT_FOR_LONG_PROMPTS, LateGapLedger, PromptPauses, late_gaps_allowed
+from services.late_gaps import (
+    KEPT_FOR_LONG_PROMPTS,
+    PLANNED_RESERVE,
+    LateGapLedger,
+    PromptPauses,
+    late_gaps_allowed,
+)
 
 TARGET_S = 0.1
 ON_TIME_S, LATE_S = 0.08, 2.0
@@ -23,6 +29,11 @@ def test_the_late_gaps_allowed_are_the_most_numpys_percentile_tolerates_however_
             assert meets == (late <= allowed), (num_gaps, late, allowed)
 
 
+def unknown(*req_ids: str) -> dict[str, int]:
+    """Streams held whose length is not sure."""
+    return dict.fromkeys(req_ids, 0)
+
+
 def step(ledger: LateGapLedger, now: float, *req_ids: str) -> float:
     ledger.tokens(now, req_ids)
     return now + ON_TIME_S
@@ -32,23 +43,23 @@ def test_a_stream_affords_a_pause_once_its_on_time_gaps_cover_one_more_late_one(
     ledger = LateGapLedger(TARGET_S, 90)
     now = step(ledger, 0.0, "a")  # its first token here: the gap before it is counted late
     tokens = 1
-    while not ledger.affords_a_pause({"a"}):
+    while not ledger.affords_a_pause(unknown("a")):
         now = step(ledger, now, "a")
         tokens += 1
     # 20 gaps (one late) and the pause's: 2 late of 21 keep the p90 on time, 2 of 20 would not
     assert tokens == 20
     ledger.tokens(now + LATE_S, ["a"])  # the pause: one late gap
-    assert not ledger.affords_a_pause({"a"})
+    assert not ledger.affords_a_pause(unknown("a"))
     now += LATE_S + ON_TIME_S
     for _ in range(10):
         now = step(ledger, now, "a")
-    assert ledger.affords_a_pause({"a"})  # 31 gaps, 3 late with the next pause's
+    assert ledger.affords_a_pause(unknown("a"))  # 31 gaps, 3 late with the next pause's
 
 
 def test_a_stream_affords_a_pause_that_keeps_one_for_later_once_it_could_take_two() -> None:
     ledger = LateGapLedger(TARGET_S, 90)
     now, tokens = step(ledger, 0.0, "a"), 1
-    while not ledger.affords_a_pause({"a"}, kept=1):
+    while not ledger.affords_a_pause(unknown("a"), kept=1):
         now, tokens = step(ledger, now, "a"), tokens + 1
     # 30 gaps (one late) and the pause's: 3 late of 31 keep the p90 on time, so one more is left
     assert tokens == 30
@@ -62,14 +73,14 @@ def test_a_prompt_is_paused_for_at_once_where_streams_spare_a_late_gap_else_once
     for _ in range(20):  # affords one late gap, none to keep (as above)
         now = step(pauses.ledger, now, "a")
     pauses.neighbour(now, has_work=True)
-    assert not pauses.due(now, {"a"})  # a prompt just started: the late gap is kept for a long one
-    assert pauses.due(now + after_s, {"a"})  # it has run long: it gets the pause
+    assert not pauses.due(now, unknown("a"))  # a prompt just started: the late gap is kept for a long one
+    assert pauses.due(now + after_s, unknown("a"))  # it has run long: it gets the pause
     pauses.neighbour(now, has_work=False)  # it ended without one
     for _ in range(10):  # 30 tokens: affords one late gap and keeps KEPT_FOR_LONG_PROMPTS
         now = step(pauses.ledger, now, "a")
     assert KEPT_FOR_LONG_PROMPTS == 1
     pauses.neighbour(now, has_work=True)
-    assert pauses.due(now, {"a"})
+    assert pauses.due(now, unknown("a"))
 
 
 def test_every_stream_held_must_afford_it_and_one_never_seen_cannot() -> None:
@@ -77,11 +88,11 @@ def test_every_stream_held_must_afford_it_and_one_never_seen_cannot() -> None:
     now = 0.0
     for _ in range(25):
         now = step(ledger, now, "a")
-    assert ledger.affords_a_pause({"a"})
-    assert not ledger.affords_a_pause({"a", "new"})  # committed since the last step: no token seen yet
-    assert not ledger.affords_a_pause(set())  # no streams: nothing to pause
+    assert ledger.affords_a_pause(unknown("a"))
+    assert not ledger.affords_a_pause(unknown("a", "new"))  # committed since the last step: no token seen yet
+    assert not ledger.affords_a_pause({})  # no streams: nothing to pause
     now = step(ledger, now, "a", "b")
-    assert not ledger.affords_a_pause({"a", "b"})  # "b" has one gap, and it counts as late
+    assert not ledger.affords_a_pause(unknown("a", "b"))  # "b" has one gap, and it counts as late
 
 
 def test_finished_and_aborted_streams_are_forgotten() -> None:
@@ -90,10 +101,10 @@ def test_finished_and_aborted_streams_are_forgotten() -> None:
     for _ in range(25):
         now = step(ledger, now, "a", "b")
     ledger.tokens(now, ["a", "b"], finished=["a"])
-    assert not ledger.affords_a_pause({"a", "b"})  # "a" is new again to the ledger
-    assert ledger.affords_a_pause({"b"})
-    assert not ledger.affords_a_pause({"c"})  # "b" was aborted: forgotten, and "c" never seen
-    assert not ledger.affords_a_pause({"b"})
+    assert not ledger.affords_a_pause(unknown("a", "b"))  # "a" is new again to the ledger
+    assert ledger.affords_a_pause(unknown("b"))
+    assert not ledger.affords_a_pause(unknown("c"))  # "b" was aborted: forgotten, and "c" never seen
+    assert not ledger.affords_a_pause(unknown("b"))
 
 
 def test_at_the_100th_percentile_no_gap_may_be_late() -> None:
@@ -101,10 +112,53 @@ def test_at_the_100th_percentile_no_gap_may_be_late() -> None:
     now = 0.0
     for _ in range(500):
         now = step(ledger, now, "a")
-    assert not ledger.affords_a_pause({"a"})
+    assert not ledger.affords_a_pause(unknown("a"))
 
 
 @pytest.mark.parametrize("percentile", [0, 101])
 def test_a_percentile_must_be_in_0_to_100(percentile: int) -> None:
     with pytest.raises(ValueError, match=f"must be in \\(0, 100\\], got {percentile}"):
         LateGapLedger(TARGET_S, percentile)
+
+
+@pytest.mark.parametrize("num_tokens", [12, 21, 32, 96, 300])
+def test_a_stream_of_sure_length_that_pauses_whenever_allowed_still_meets_its_p90(num_tokens: int) -> None:
+    """From its first token from the decode worker on; its first gap late, as the ledger assumes."""
+    ledger = LateGapLedger(TARGET_S, 90)
+    held = {"a": num_tokens}
+    gaps = [LATE_S]  # the first, paused for or not
+    now = 0.0
+    ledger.tokens(now, ["a"])
+    for _ in range(num_tokens - 2):
+        gap = LATE_S if ledger.affords_a_pause(held) else ON_TIME_S
+        gaps.append(gap)
+        now += gap
+        ledger.tokens(now, ["a"])
+    assert len(gaps) == num_tokens - 1
+    assert np.percentile(gaps, 90) <= TARGET_S
+    assert gaps.count(LATE_S) == late_gaps_allowed(num_tokens - 1, 90)  # the reserve goes at the last gap
+
+
+def test_a_stream_of_sure_length_affords_a_pause_before_its_first_token_keeping_a_late_gap_in_reserve() -> None:
+    ledger = LateGapLedger(TARGET_S, 90)
+    assert late_gaps_allowed(95, 90) == 9
+    assert ledger.affords_a_pause({"a": 96}, kept=7)  # 9, less the first gap's and PLANNED_RESERVE
+    assert not ledger.affords_a_pause({"a": 96}, kept=8)
+    assert PLANNED_RESERVE == 1
+    assert not ledger.affords_a_pause({"a": 0})  # unplanned, it waits for 20 tokens (above)
+    # 3 late gaps of 31: the first one's (the pause), one to keep and PLANNED_RESERVE
+    assert ledger.affords_a_pause({"a": 32}, kept=1) and not ledger.affords_a_pause({"a": 31}, kept=1)
+
+
+def test_a_pause_goes_on_for_a_request_committed_meanwhile_only_where_it_can_be_its_first_gap() -> None:
+    pauses = PromptPauses(LateGapLedger(TARGET_S, 90), after_s=0.3, max_s=1.0)
+    now = 0.0
+    for _ in range(40):
+        now = step(pauses.ledger, now, "a")
+    pauses.neighbour(now, has_work=True)
+    assert pauses.due(now, {"a": 0})
+    paused = frozenset({"a"})
+    assert pauses.goes_on({"a": 0}, paused)
+    assert pauses.goes_on({"a": 0, "b": 96}, paused)  # its first gap counts as late already
+    assert not pauses.goes_on({"a": 0, "b": 96, "c": 0}, paused)  # may end at any token: none to spare
+    assert not pauses.goes_on({"a": 0, "c": 10}, paused)  # 9 gaps: none may be late
