@@ -47,13 +47,6 @@ class _Stream:
     late: int = 1  # ... counted late
 
 
-def late_gaps_allowed(self, percentile: int) -> int:
-        """The late gaps it may have in all, counting the gap a pause now would add."""
-        if self.sure_gaps > self.gaps + 1:  # plans on the rest of its sure length
-            return late_gaps_allowed(self.sure_gaps, percentile) - PLANNED_RESERVE
-        return late_gaps_allowed(self.gaps + 1, percentile)
-
-
 def late_gaps_allowed(num_gaps: int, percentile: int) -> int:
     """The most of `num_gaps` gaps that may pass the target while their `percentile`-th percentile
     (linear interpolation, numpy's default) does not: the percentile falls between the sorted gaps
