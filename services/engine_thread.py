@@ -197,12 +197,13 @@ class EngineThread:
         if not neighbour_has_work:
             return
         pausing = pauses if pauses is not None and pauses.due(now, self._held) else None
+        paused = frozenset(self._held)
         if pausing is not None:
             self.num_pauses += 1
+            pausing.started(paused)
             pause = pausing.max_s
         elif not (pause := pacer.pause_s(now)):
             return
-        paused = frozenset(self._held)
         await self.call(self._lease.lend)
         lent_at = self._clock()
         deadline = lent_at + pause

@@ -13,7 +13,9 @@ A stream whose length is sure (`ignore_eos`, or `min_tokens`: shared/engine/requ
 all of it instead of the gaps seen so far: one of 96 tokens may take 9 late gaps over its life, and
 counted only as its gaps come it could take its first pause after 20 tokens, so under steady
 arrivals some young stream nearly always forbade the pause. It keeps PLANNED_RESERVE of them for
-gaps no pause caused (a step slowed by a neighbour's layer).
+gaps no pause caused (a step slowed by a neighbour's layer), and one more for each such gap it
+has had: past the knee of the load they come often, and a stream that spent its late gaps on
+pauses would miss on them.
 A long prompt gets its pause once it has kept the neighbour busy a share of the TTFT target; any
 prompt gets one at once where every stream could still take another late gap after it, so a
 median prompt is not prefilled on the cores paced decode leaves (about 30% slower on 2 cores) while
@@ -36,7 +38,8 @@ PAUSE_AFTER_TTFT_SHARE = 0.25
 # late gaps each stream must still afford after a pause that starts as soon as a prompt does: kept
 # for a long prompt, which misses its target without a pause where a short one only comes later
 KEPT_FOR_LONG_PROMPTS = 1
-# late gaps a stream that plans on its sure length keeps for ones no pause caused
+# late gaps a stream that plans on its sure length keeps for ones no pause caused, beside one for
+# each such gap it has had
 PLANNED_RESERVE = 1
 
 
@@ -45,6 +48,8 @@ class _Stream:
     token_at: float
     gaps: int = 1  # the unseen first gap, from the prefill worker's token to this worker's first
     late: int = 1  # ... counted late
+    unplanned: int = 0  # late gaps no pause caused
+    paused: bool = False  # its next gap is a pause's
 
 
 def late_gaps_allowed(num_gaps: int, percentile: int) -> int:
@@ -76,18 +81,28 @@ class LateGapLedger:
             if stream is None:
                 self._streams[req_id] = _Stream(now)
                 continue
-            stream.late += now - stream.token_at > self.itl_target_s
+            late = now - stream.token_at > self.itl_target_s
+            stream.late += late
+            stream.unplanned += late and not stream.paused
             stream.gaps += 1
-            stream.token_at = now
+            stream.token_at, stream.paused = now, False
         for req_id in finished:
             self._streams.pop(req_id, None)
 
-    def _late_gaps_allowed(self, num_gaps: int, sure_tokens: int) -> int:
+    def pausing(self, req_ids: Iterable[str]) -> None:
+        """The streams `req_ids` are paused now: their next gap is the pause's."""
+        for req_id in req_ids:
+            stream = self._streams.get(req_id)
+            if stream is not None:
+                stream.paused = True
+
+    def _late_gaps_allowed(self, num_gaps: int, sure_tokens: int, unplanned: int) -> int:
         """The late gaps a stream may have in all once it has `num_gaps`: planned on its sure length
-        while that is longer (its first token is the prefill worker's), less PLANNED_RESERVE."""
+        while that is longer (its first token is the prefill worker's), less PLANNED_RESERVE and one
+        for each of its `unplanned` late gaps."""
         sure_gaps = sure_tokens - 1
         if sure_gaps > num_gaps:
-            return late_gaps_allowed(sure_gaps, self.percentile) - PLANNED_RESERVE
+            return late_gaps_allowed(sure_gaps, self.percentile) - PLANNED_RESERVE - unplanned
         return late_gaps_allowed(num_gaps, self.percentile)
 
     def affords_a_pause(self, held: Mapping[str, int], kept: int = 0) -> bool:
@@ -102,8 +117,9 @@ class LateGapLedger:
     def stream_affords_a_pause(self, req_id: str, sure_tokens: int, kept: int = 0) -> bool:
         """`affords_a_pause` for one stream."""
         stream = self._streams.get(req_id)
-        num_gaps, late = (1, 0) if stream is None else (stream.gaps + 1, stream.late)
-        return late + 1 + kept <= self._late_gaps_allowed(num_gaps, sure_tokens)
+        if stream is None:
+            return 1 + kept <= self._late_gaps_allowed(1, sure_tokens, 0)
+        return stream.late + 1 + kept <= self._late_gaps_allowed(stream.gaps + 1, sure_tokens, stream.unplanned)
 
 
 class PromptPauses:
@@ -118,6 +134,10 @@ class PromptPauses:
         self.after_s = after_s
         self.max_s = max_s
         self._busy_since: float | None = None
+
+    def started(self, paused: Iterable[str]) -> None:
+        """A pause of the streams `paused` starts now."""
+        self.ledger.pausing(paused)
 
     def stepped(self, now: float, outputs: Sequence[RequestOutput]) -> None:
         """A step's tokens, for the ledger."""

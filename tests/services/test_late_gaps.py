@@ -130,7 +130,10 @@ def test_a_stream_of_sure_length_that_pauses_whenever_allowed_still_meets_its_p9
     now = 0.0
     ledger.tokens(now, ["a"])
     for _ in range(num_tokens - 2):
-        gap = LATE_S if ledger.affords_a_pause(held) else ON_TIME_S
+        gap = ON_TIME_S
+        if ledger.affords_a_pause(held):
+            ledger.pausing(held)
+            gap = LATE_S
         gaps.append(gap)
         now += gap
         ledger.tokens(now, ["a"])
@@ -148,6 +151,25 @@ def test_a_stream_of_sure_length_affords_a_pause_before_its_first_token_keeping_
     assert not ledger.affords_a_pause({"a": 0})  # unplanned, it waits for 20 tokens (above)
     # 3 late gaps of 31: the first one's (the pause), one to keep and PLANNED_RESERVE
     assert ledger.affords_a_pause({"a": 32}, kept=1) and not ledger.affords_a_pause({"a": 31}, kept=1)
+
+
+def test_each_late_gap_no_pause_caused_keeps_one_more_in_reserve() -> None:
+    def pauses_left(unplanned: int) -> int:
+        ledger = LateGapLedger(TARGET_S, 90)
+        ledger.tokens(0.0, ["a"])
+        now = 0.0
+        ledger.pausing(["a"])  # one pause ...
+        now += LATE_S
+        ledger.tokens(now, ["a"])
+        for _ in range(unplanned):  # ... and late gaps of its own
+            now += LATE_S
+            ledger.tokens(now, ["a"])
+        return next(k for k in range(20) if not ledger.affords_a_pause({"a": 96}, kept=k))  # one, and k - 1 kept
+
+    # 9 late gaps of 95, less the first one's, the pause's and PLANNED_RESERVE: 6 more pauses
+    assert pauses_left(0) == 6
+    assert pauses_left(1) == 4  # the late gap itself, and one more kept for the next such
+    assert pauses_left(2) == 2
 
 
 def test_a_pause_goes_on_for_a_request_committed_meanwhile_only_where_it_can_be_its_first_gap() -> None:
