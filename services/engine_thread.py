@@ -197,8 +197,9 @@ class EngineThread:
         if not neighbour_has_work:
             return
         pausing = pauses if pauses is not None and pauses.due(now, self._held) else None
-        paused = frozenset(self._held)
+        paused: frozenset[str] = frozenset()
         if pausing is not None:
+            paused = frozenset(self._held)
             self.num_pauses += 1
             pausing.started(paused)
             pause = pausing.max_s
