@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels import gumbel_argmax as gumbel_kernel
 from shared.engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -359,6 +360,8 @@ def _gumbel_argmax(scores: Tensor, keys: Tensor) -> Tensor:
     vocab_size = scores.shape[-1]
     num_finite = int((scores > -math.inf).sum(dim=-1).max())
     if num_finite * _SPARSE_NOISE_RATIO > vocab_size:
+        if scores.device.type == "cpu" and gumbel_kernel.load() is not None:
+            return gumbel_kernel.gumbel_argmax(scores, keys, _VOCAB_SALT)
         vocab_ids = torch.arange(vocab_size, device=scores.device)  # [vocab]
         return _argmax(scores.add_(gumbel_noise(keys, vocab_ids)))
     # Ascending ids make exact ties resolve to the lowest id, as the dense argmax does.
