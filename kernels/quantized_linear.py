@@ -25,6 +25,7 @@ BLOCK = 32
 # bytes a block of 32 weights takes, and the C kernel's code for the format
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 FORMAT_CODES = {"q4_1": 0, "q8_0": 1}
+BF16_FORMAT_OFFSET = 2  # the C kernel's code for a format with its weights rounded to bfloat16
 
 _INT64, _INT32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 # out, its row stride, x, its row stride, blocks, bias (or NULL), M, N, K, format code
@@ -85,8 +86,11 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     return (half(0) * q).view(rows, weight.in_features)
 
 
-def quantized_linear_ref(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, dequantize(weight), bias)
+def quantized_linear_ref(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, bf16_weights: bool = False
+) -> torch.Tensor:
+    w = dequantize(weight)
+    return F.linear(x, w.bfloat16().float() if bf16_weights else w, bias)
 
 
 @functools.cache
@@ -95,8 +99,11 @@ def load() -> ctypes.CDLL | None:
     return load_functions(SOURCE, COMPILE_FLAGS, "the small-batch linear layers over GGUF blocks", _SIGNATURES)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, bf16_weights: bool = False
+) -> torch.Tensor:
     """x [rows, in_features] float32 on the CPU, last dim contiguous -> [rows, out_features] float32.
+    `bf16_weights`: each weight rounded to bfloat16 first, as a bfloat16 model holds it.
 
     Called once per layer per decode step, so it checks only what would make the C code
     read out of bounds: the rest (a float32 bias of out_features) is the caller's promise.
@@ -115,7 +122,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         failed = lib.quantized_linear(
             out.data_ptr(), out_features, x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
             None if bias is None else bias.data_ptr(), rows, out_features, weight.in_features,
-            FORMAT_CODES[weight.format],
+            FORMAT_CODES[weight.format] + (BF16_FORMAT_OFFSET if bf16_weights else 0),
         )
     if failed:  # 2 (arguments it does not take) is ruled out by QuantizedWeight's checks
         raise MemoryError(f"the quantized linear kernel could not allocate scratch for 2 x {weight.in_features} floats")

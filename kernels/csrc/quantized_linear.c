@@ -22,6 +22,11 @@
  * is faster. Rows of W are split between torch's OpenMP threads, each streaming a contiguous range.
  * Without AVX2 and F16C a plain C loop does the same arithmetic. Built and loaded by
  * kernels/quantized_linear.py.
+ *
+ * For a bfloat16 model the formats 2 and 3 round each widened weight to bfloat16, as the
+ * loader's copy of it is rounded, and the caller widens x from bfloat16 (exactly) and rounds y
+ * back: the products then differ from oneDNN's bfloat16 ones (float32 sums as well) only in the
+ * order of their sums, and read 0.6-1.1 bytes a weight instead of 2.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +40,11 @@
 #define BLOCK 32
 #define FORMAT_Q4_1 0
 #define FORMAT_Q8_0 1
+/* formats 2 and 3: Q4_1 and Q8_0 with each widened weight rounded to bfloat16, so that a
+ * bfloat16 model's small products use the very weights its oneDNN products do */
+#define FORMAT_BF16 2
+#define IS_Q4_1(format) (((format) & 1) == FORMAT_Q4_1)
+#define ROUNDS_BF16(format) ((format) >= FORMAT_BF16)
 #define Q4_1_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: low nibbles are elements 0-15 */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 #define ROWS_X 4
@@ -67,11 +77,22 @@ static inline float half_to_float(const uint8_t *p)
     return f;
 }
 
-/* The 32 float32 weights of one block, as the dequantiser computes them. */
+/* Round to nearest even, as torch's float32 -> bfloat16 (weights are finite: no NaN case). */
+static inline float bf16_rounded(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* The 32 float32 weights of one block, as the dequantiser computes them (then rounded to
+ * bfloat16 in the bfloat16 formats). */
 static inline void widen_block(const uint8_t *block, const int format, float *restrict w)
 {
     const float d = half_to_float(block);
-    if (format == FORMAT_Q4_1) {
+    if (IS_Q4_1(format)) {
         const float m = half_to_float(block + 2);
         for (int j = 0; j < BLOCK / 2; j++) {
             w[j] = d * (float)(block[4 + j] & 0x0f) + m;
@@ -81,12 +102,15 @@ static inline void widen_block(const uint8_t *block, const int format, float *re
         for (int j = 0; j < BLOCK; j++)
             w[j] = d * (float)(int8_t)block[2 + j];
     }
+    if (ROUNDS_BF16(format))
+        for (int j = 0; j < BLOCK; j++)
+            w[j] = bf16_rounded(w[j]);
 }
 
 static void tile_plain(float *out, int64_t out_stride, const float *x, int64_t x_stride, const uint8_t *w,
                        int64_t row_bytes, const float *bias, int32_t rows_x, int32_t rows_w, int32_t K, int format)
 {
-    const int block_bytes = format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const int block_bytes = IS_Q4_1(format) ? Q4_1_BYTES : Q8_0_BYTES;
     for (int32_t n = 0; n < rows_w; n++) {
         float acc[ROWS_X] = {0};
         for (int32_t b = 0; b < K / BLOCK; b++) {
@@ -118,18 +142,29 @@ static inline __m128 block_halves(const uint8_t *block)
     return _mm_cvtph_ps(_mm_cvtsi32_si128(both));
 }
 
+static inline __attribute__((always_inline)) __m256 bf16_rounded_lanes(__m256 w)
+{
+    const __m256i u = _mm256_castps_si256(w);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
 /* Weights 8 * part .. 8 * part + 7 of a block whose scale is d (and minimum m, for Q4_1). */
 static inline __attribute__((always_inline)) __m256 widen_part(const uint8_t *block, int part, __m256 d, __m256 m,
                                                                const int format)
 {
-    if (format == FORMAT_Q4_1) {
+    __m256 w;
+    if (IS_Q4_1(format)) {
         /* parts 0, 1: low nibbles of bytes 0-7, 8-15; parts 2, 3: their high nibbles */
         const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4 + (part & 1) * 8)));
         const __m256i q = part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
-        return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+        w = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+    } else {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + part * 8)));
+        w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
     }
-    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 2 + part * 8)));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+    return ROUNDS_BF16(format) ? bf16_rounded_lanes(w) : w;
 }
 
 /* out[rows_x, ROWS_W] for one pair of weight rows; rows_x is a compile-time constant
@@ -147,7 +182,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
         for (int r = 0; r < ROWS_W; r++)
             for (int c = 0; c < chains; c++)
                 acc[i][r][c] = _mm256_setzero_ps();
-    const int block_bytes = format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const int block_bytes = IS_Q4_1(format) ? Q4_1_BYTES : Q8_0_BYTES;
     for (int32_t b = 0; b < K / BLOCK; b++) {
         const uint8_t *block[ROWS_W];
         __m256 d[ROWS_W], m[ROWS_W];
@@ -157,13 +192,13 @@ static inline __attribute__((always_inline)) void tile_avx2(
             _mm_prefetch((const char *)block[r] + PREFETCH_BYTES, _MM_HINT_T0);
             const __m128 halves = block_halves(block[r]);
             d[r] = _mm256_broadcastss_ps(halves);
-            if (format == FORMAT_Q4_1)
+            if (IS_Q4_1(format))
                 m[r] = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
         }
         for (int part = 0; part < BLOCK / 8; part++) {
             __m256 wv[ROWS_W];
             for (int r = 0; r < ROWS_W; r++)
-                wv[r] = widen_part(block[r], part, d[r], format == FORMAT_Q4_1 ? m[r] : d[r], format);
+                wv[r] = widen_part(block[r], part, d[r], IS_Q4_1(format) ? m[r] : d[r], format);
             for (int i = 0; i < rows_x; i++) {
                 const __m256 xv = _mm256_loadu_ps(x + i * x_stride + b * BLOCK + part * 8);
                 for (int r = 0; r < ROWS_W; r++)
@@ -191,27 +226,39 @@ SPECIALISE(q8_0_x1, 1, FORMAT_Q8_0)
 SPECIALISE(q8_0_x2, 2, FORMAT_Q8_0)
 SPECIALISE(q8_0_x3, 3, FORMAT_Q8_0)
 SPECIALISE(q8_0_x4, 4, FORMAT_Q8_0)
+SPECIALISE(q4_1_bf16_x1, 1, FORMAT_BF16 + FORMAT_Q4_1)
+SPECIALISE(q4_1_bf16_x2, 2, FORMAT_BF16 + FORMAT_Q4_1)
+SPECIALISE(q4_1_bf16_x3, 3, FORMAT_BF16 + FORMAT_Q4_1)
+SPECIALISE(q4_1_bf16_x4, 4, FORMAT_BF16 + FORMAT_Q4_1)
+SPECIALISE(q8_0_bf16_x1, 1, FORMAT_BF16 + FORMAT_Q8_0)
+SPECIALISE(q8_0_bf16_x2, 2, FORMAT_BF16 + FORMAT_Q8_0)
+SPECIALISE(q8_0_bf16_x3, 3, FORMAT_BF16 + FORMAT_Q8_0)
+SPECIALISE(q8_0_bf16_x4, 4, FORMAT_BF16 + FORMAT_Q8_0)
 
 typedef void (*TileFn)(float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, const float *, int32_t);
-static const TileFn TILES[2][ROWS_X] = {
+static const TileFn TILES[4][ROWS_X] = {
     {q4_1_x1, q4_1_x2, q4_1_x3, q4_1_x4},
     {q8_0_x1, q8_0_x2, q8_0_x3, q8_0_x4},
+    {q4_1_bf16_x1, q4_1_bf16_x2, q4_1_bf16_x3, q4_1_bf16_x4},
+    {q8_0_bf16_x1, q8_0_bf16_x2, q8_0_bf16_x3, q8_0_bf16_x4},
 };
 
 /* Rows w, w + row_bytes widened into wide [ROWS_W, K] once, for batches of more than ROWS_X rows. */
 static void widen_rows(const uint8_t *w, int64_t row_bytes, int32_t K, const int format, float *restrict wide)
 {
-    const int block_bytes = format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+    const int block_bytes = IS_Q4_1(format) ? Q4_1_BYTES : Q8_0_BYTES;
     for (int r = 0; r < ROWS_W; r++)
         for (int32_t b = 0; b < K / BLOCK; b++) {
             const uint8_t *block = w + r * row_bytes + (int64_t)b * block_bytes;
             _mm_prefetch((const char *)block + PREFETCH_BYTES, _MM_HINT_T0);
             const __m128 halves = block_halves(block);
             const __m256 d = _mm256_broadcastss_ps(halves), m = _mm256_broadcastss_ps(_mm_movehdup_ps(halves));
-            for (int part = 0; part < BLOCK / 8; part++)
+            for (int part = 0; part < BLOCK / 8; part++) {
+                __m256 wv = IS_Q4_1(format) ? widen_part(block, part, d, m, FORMAT_Q4_1)
+                                            : widen_part(block, part, d, d, FORMAT_Q8_0);
                 _mm256_storeu_ps(wide + (int64_t)r * K + b * BLOCK + part * 8,
-                                 format == FORMAT_Q4_1 ? widen_part(block, part, d, m, FORMAT_Q4_1)
-                                                       : widen_part(block, part, d, d, FORMAT_Q8_0));
+                                 ROUNDS_BF16(format) ? bf16_rounded_lanes(wv) : wv);
+            }
         }
 }
 
@@ -302,15 +349,16 @@ static void pair_of_rows(float *out, int64_t out_stride, const float *x, int64_t
 }
 
 /* out [M, N] (row stride out_stride) = x [M, K] (row stride x_stride) W^T + bias, W [N, K]
- * as N rows of K / 32 blocks. format 0: Q4_1, 1: Q8_0. bias may be NULL. Returns 0; 1 when
+ * as N rows of K / 32 blocks. format 0: Q4_1, 1: Q8_0, 2 and 3: those with the weights rounded
+ * to bfloat16. bias may be NULL. Returns 0; 1 when
  * a thread could not allocate its scratch (nothing is then computed); 2 for arguments it does
  * not take (K not a multiple of 32, an unknown format). */
 int quantized_linear(float *out, int64_t out_stride, const float *x, int64_t x_stride, const uint8_t *w,
                      const float *bias, int32_t M, int32_t N, int32_t K, int32_t format)
 {
-    if (K % BLOCK != 0 || (format != FORMAT_Q4_1 && format != FORMAT_Q8_0) || M < 0 || N < 0)
+    if (K % BLOCK != 0 || format < 0 || format > FORMAT_BF16 + FORMAT_Q8_0 || M < 0 || N < 0)
         return 2;
-    const int64_t row_bytes = (int64_t)(K / BLOCK) * (format == FORMAT_Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+    const int64_t row_bytes = (int64_t)(K / BLOCK) * (IS_Q4_1(format) ? Q4_1_BYTES : Q8_0_BYTES);
     const int32_t pairs = (N + ROWS_W - 1) / ROWS_W;
     const int widen_once = M > ROWS_X;
     int failed = 0;

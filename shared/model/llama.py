@@ -23,11 +23,11 @@ from shared.model.config import ModelConfig
 from kernels.quantized_linear import QuantizedWeight
 from shared.model.linear import (
     PLAIN_MIN_ROWS,
-    QUANTIZED_MAX_ROWS,
     Linear,
     onednn_packing_available,
     plain_products_faster,
     quantized_kernel_available,
+    quantized_max_rows,
 )
 from shared.model.rotary import cos_sin_cache
 
@@ -115,7 +115,7 @@ class LlamaModel:
         logger.info("linear layers: %s%s; %d of %d also as GGUF blocks for products of up to %d rows; the weights "
                     "take %.0f MiB", "oneDNN, packed at load" if pack else "F.linear",
                     f", MKL on a plain copy from {PLAIN_MIN_ROWS} rows" if keep_plain else "", in_blocks, len(layers),
-                    QUANTIZED_MAX_ROWS, self.weight_bytes() / 2**20)
+                    quantized_max_rows(dtype), self.weight_bytes() / 2**20)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take here, the packed copy of a tied LM head included."""

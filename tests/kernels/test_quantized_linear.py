@@ -15,7 +15,7 @@ from kernels import quantized_linear as qlin
 from kernels.cpu_build import profiled
 from kernels.quantized_linear import QuantizedWeight, dequantize, quantized_linear, quantized_linear_ref
 from shared.model import linear as linear_module
-from shared.model.linear import QUANTIZED_MAX_ROWS, Linear
+from shared.model.linear import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_BF16, Linear
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel
 from tests.kernels.c_kernels import require_built
@@ -60,14 +60,18 @@ def test_dequantize_is_bitwise_ggufs_dequantiser(block_format: str) -> None:
 @pytest.mark.parametrize("block_format", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 13, 24])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_the_reference(block_format: str, rows: int, with_bias: bool, built: None) -> None:
+@pytest.mark.parametrize("bf16_weights", [False, True])
+def test_kernel_matches_the_reference(
+    block_format: str, rows: int, with_bias: bool, bf16_weights: bool, built: None
+) -> None:
     weight = random_blocks(block_format, 7, 160, seed=rows)
     gen = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, 160, generator=gen)
     bias = torch.randn(7, generator=gen) if with_bias else None
-    out = quantized_linear(x, weight, bias)
-    # the same float32 products summed in another order
-    torch.testing.assert_close(out, quantized_linear_ref(x, weight, bias), atol=1e-5, rtol=1e-5)
+    out = quantized_linear(x, weight, bias, bf16_weights)
+    # the same float32 products summed in another order; rounding the weights to bfloat16 moves
+    # them by up to 2**-9 relative, far more than that order, so a missed rounding fails here
+    torch.testing.assert_close(out, quantized_linear_ref(x, weight, bias, bf16_weights), atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_reads_strided_rows_and_a_model_sized_weight(built: None) -> None:
@@ -121,6 +125,24 @@ def test_linear_sends_small_products_to_the_blocks_and_large_ones_to_the_float32
         Linear(torch.zeros(64, 96), None, pack=False, quantized=weight)
 
 
+def test_a_bfloat16_linear_sends_its_smallest_products_to_the_blocks_with_its_own_weights(
+    built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = random_blocks("q4_1", 64, 128, seed=6)
+    layer = Linear(dequantize(weight).bfloat16(), None, pack=False, quantized=weight)
+    calls = []
+    monkeypatch.setattr(qlin, "quantized_linear", lambda *args, **kwargs: calls.append(kwargs) or quantized_linear(
+        *args, **kwargs))
+    for rows in (1, QUANTIZED_MAX_ROWS_BF16, QUANTIZED_MAX_ROWS_BF16 + 1):
+        x = torch.randn(rows, 128).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        # the bf16 weights in float32 sums either way: equal once rounded, but for a sum on a rounding edge
+        expected = quantized_linear_ref(x.float(), weight, None, bf16_weights=True).bfloat16()
+        torch.testing.assert_close(out, expected, atol=0, rtol=2**-8)
+    assert calls == [{"bf16_weights": True}] * 2
+
+
 def test_the_default_models_blocks_are_its_float32_weights(loaded_model: LoadedModel) -> None:
     """Every kept block tensor widens to exactly the float32 weight loaded beside it (the q and k
     rows unpermuted alike), so the kernel computes with the model's own weights."""
@@ -149,7 +171,8 @@ def test_the_model_runs_every_linear_layer_from_blocks_in_float32_on_the_cpu(
     torch.testing.assert_close(qkv(x), quantized_linear_ref(x, qkv.quantized, None), atol=3e-5, rtol=3e-5)
     bf16 = LlamaModel(loaded_model.config, loaded_model.weights, torch.bfloat16, torch.device("cpu"),
                       loaded_model.quantized)
-    assert bf16.lm_head.quantized is None  # the kernel computes in float32 only
+    bf16_layers = [bf16.lm_head] + [lin for w in bf16.layers for lin in (w.qkv_proj, w.down_proj)]
+    assert all(lin.quantized is not None for lin in bf16_layers)
 
 
 def test_without_a_compiler_the_float32_weights_run(without_a_compiler: None, caplog: pytest.LogCaptureFixture) -> None:
