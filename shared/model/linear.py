@@ -19,9 +19,9 @@ instead: the same float32 weights, read at 0.6-1.1 bytes each instead of 4, whic
 small batch waits for. Above that the packed float32 weight is faster (the product is bound
 by arithmetic, and oneDNN's is better than widening blocks on the fly). A bfloat16 model does
 the same up to QUANTIZED_MAX_ROWS_BF16 rows, the kernel rounding each weight to bfloat16 as the
-model's copy is rounded: on a 2-core Xeon with AMX the model's products took 9.5 / 11.9 ms a
-step at 1 / 4 rows against oneDNN's 16.3 / 16.7 on the 2 bytes a weight, and 18.9 against 17.3
-at 8 rows.
+model's copy is rounded: on a 2-core Xeon with AMX the model's products took 13.4-13.8 /
+14.7 / 15.5-16.0 ms a pass at 1 / 2 / 3 rows against oneDNN's 16.1-16.6 on the 2 bytes a weight,
+and 17.3-20.1 against 16.4-17.0 at 4 rows.
 
 At prefill sizes on an AVX2 CPU, float32, the layers' products of at least PLAIN_MIN_ROWS rows
 go back to F.linear (MKL) on a plain copy of the weight: on the 2-core EPYC of machine J
@@ -49,8 +49,10 @@ from kernels.quantized_linear import QuantizedWeight
 # registers (the crossover there is not measured)
 QUANTIZED_MAX_ROWS = 32 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 24
 # against oneDNN's bfloat16 products, which read half the bytes of float32 and run on AMX or
-# AVX512-BF16: the crossover measured on a 2-core Xeon with AMX lies between 4 and 8 rows
-QUANTIZED_MAX_ROWS_BF16 = 4
+# AVX512-BF16, and with each weight rounded to bfloat16 as it is widened (about 3 ms of a pass
+# over the model's products): the crossover measured on a 2-core Xeon with AMX lies between 3
+# and 4 rows (`python -m bench.linear_products --dtype bfloat16`)
+QUANTIZED_MAX_ROWS_BF16 = 3
 # the fewest rows a layer's product sends to MKL where `plain_products_faster` (prefill sizes)
 PLAIN_MIN_ROWS = 256
 
