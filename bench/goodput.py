@@ -38,7 +38,9 @@ from bench.serving.attainment import DEFAULT_SHARE, ITL_MEASURES, Attainment, La
 from bench.serving.runner import LoadSpec
 from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
 from bench.side_by_side import vllm_server, vllm_version
-from bench.stack_harness import format_table, run_load, stack_config, vocab_ids, write_figure, write_result
+from bench.stack_harness import (
+    format_table, metric_sum, run_load, scrape_workers, stack_config, vocab_ids, write_figure, write_result,
+)
 from services.launcher import Stack
 
 SERVERS = ("disaggregated", "colocated")
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = vocab_ids(args.model)
     calibration: dict[str, float] = {}
     if args.ttft_ms is None:
-        with _stack("disaggregated", {}) as base_url:
+        with _stack("disaggregated", {}) as (base_url, _):
             _warm_up(base_url, args, vocab)
             calibration = calibrate(base_url, args, vocab)
         targets = LatencyTargets(args.ttft_scale * calibration["ttft_ms"], args.itl_scale * calibration["itl_ms"],
@@ -132,15 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     percentile = 90 if args.pauses else 100
     env = {"LLMD_TARGETS__TTFT_MS": f"{targets.ttft_ms:g}", "LLMD_TARGETS__ITL_MS": f"{targets.itl_ms:g}",
            "LLMD_TARGETS__ITL_PERCENTILE": str(percentile), "LLMD_WORKER__PACE_DECODE": str(not args.no_pacing).lower()}
-    starters: dict[str, Callable[[], AbstractContextManager[str]]] = {
+    starters: dict[str, Callable[[], AbstractContextManager[Server]]] = {
         mode: functools.partial(_stack, mode, env) for mode in servers}
     if args.vllm is not None:
-        starters[f"vLLM CPU {vllm_version(args.vllm)}"] = lambda: vllm_server(args.vllm, args.model, args.vllm_kv_gib)
+        starters[f"vLLM CPU {vllm_version(args.vllm)}"] = lambda: _vllm(args)
     runs: dict[str, list[Attainment]] = {}
+    pacing: dict[str, list[dict[str, float]]] = {}
     for label, start in starters.items():
-        with start() as base_url:
+        with start() as (base_url, paced_steps):
             _warm_up(base_url, args, vocab)
-            runs[label] = sweep(label, base_url, args, vocab, targets)
+            runs[label], pacing[label] = sweep(label, base_url, args, vocab, targets, paced_steps)
 
     print(report_table(runs, targets, args.share))
     document = {
@@ -149,19 +152,37 @@ def main(argv: list[str] | None = None) -> int:
         "targets": dataclasses.asdict(targets),
         "runs": {label: [dataclasses.asdict(p) for p in points] for label, points in runs.items()},
         "goodput": {label: goodput(points, args.share) for label, points in runs.items()},
+        "pacing": {label: points for label, points in pacing.items() if points},
     }
     print(f"results: {write_result(args.name, document)}, {write_figure(args.name, figure(runs, args.share))}",
           file=sys.stderr)
     return 0
 
 
+# a server's base URL, and where its decode workers pace their steps, how to read their running
+# totals of planned steps and late ones (services/pacing.py)
+Server = tuple[str, Callable[[], tuple[float, float]] | None]
+
+
 @contextmanager
-def _stack(mode: str, env: dict[str, str]) -> Iterator[str]:
+def _stack(mode: str, env: dict[str, str]) -> Iterator[Server]:
     config = stack_config(env) if mode == "disaggregated" else dataclasses.replace(
         stack_config(env, num_prefill=0, num_decode=0), num_colocated=1)
     with Stack(config) as stack:
         assert stack.base_url is not None
-        yield stack.base_url
+        # a colocated worker has no neighbour on the lease to lend its cores to, so it never paces
+        yield stack.base_url, functools.partial(_paced_steps, stack) if mode == "disaggregated" else None
+
+
+def _paced_steps(stack: Stack) -> tuple[float, float]:
+    samples = scrape_workers(stack, "decode")
+    return metric_sum(samples, "llmd_paced_steps_total"), metric_sum(samples, "llmd_paced_steps_late_total")
+
+
+@contextmanager
+def _vllm(args: argparse.Namespace) -> Iterator[Server]:
+    with vllm_server(args.vllm, args.model, args.vllm_kv_gib) as base_url:
+        yield base_url, None
 
 
 def _warm_up(base_url: str, args: argparse.Namespace, vocab: Any) -> None:
@@ -193,7 +214,12 @@ def calibrate(base_url: str, args: argparse.Namespace, vocab: Any) -> dict[str, 
     return {"ttft_ms": 1000 * statistics.median(ttfts), "itl_ms": 1000 * statistics.median(gaps)}
 
 
-def sweep(label: str, base_url: str, args: argparse.Namespace, vocab: Any, targets: LatencyTargets) -> list[Attainment]:
+def sweep(
+    label: str, base_url: str, args: argparse.Namespace, vocab: Any, targets: LatencyTargets,
+    paced_steps: Callable[[], tuple[float, float]] | None = None,
+) -> tuple[list[Attainment], list[dict[str, float]]]:
+    """Each rate's attainment and, given `paced_steps`, the steps the decode workers planned at it
+    and how many of those still came late."""
     # Common random numbers: every rate sends the shapes of the first requests of one sample, at
     # one draw of arrival gaps scaled to the rate, so rates differ in load alone and one unlucky
     # burst in one rate's sample does not decide the goodput on its own. Each rate's prompts are
@@ -202,18 +228,25 @@ def sweep(label: str, base_url: str, args: argparse.Namespace, vocab: Any, targe
     counts = [max(args.min_requests, round(rate * args.duration_s)) for rate in rates]
     sample_seed = args.seed + 100
     sample = _workload(args, vocab, max(counts), sample_seed)
-    points = []
+    points, pacing = [], []
     for i, (rate, num) in enumerate(zip(rates, counts, strict=True)):
         print(f"{label}: {num} requests at {rate:g} req/s", file=sys.stderr)
         requests = with_fresh_tokens(sample[:num], vocab, [sample_seed, RATE_STREAM, i])
+        before = paced_steps() if paced_steps is not None else None
         _, results = run_load(base_url, requests, LoadSpec(request_rate=rate, seed=args.seed))
         point = attainment(rate, results, targets)
         points.append(point)
         print(f"{label} at {rate:g} req/s: TTFT {point.ttft:.0%}, inter-token {point.itl:.0%}, both {point.both:.0%}"
               f"{describe_misses(point, targets)}", file=sys.stderr)
+        if paced_steps is not None and before is not None:
+            (planned, late), (planned_before, late_before) = paced_steps(), before
+            pacing.append({"request_rate": rate, "paced_steps": planned - planned_before,
+                           "late_paced_steps": late - late_before})
+            print(f"{label} at {rate:g} req/s: the decode worker planned {planned - planned_before:.0f} steps, "
+                  f"{late - late_before:.0f} of them late", file=sys.stderr)
         if point.both < args.stop_below:
             break
-    return points
+    return points, pacing
 
 
 def describe_misses(point: Attainment, targets: LatencyTargets) -> str:

@@ -129,6 +129,12 @@ class EngineThread:
         return True
 
     @property
+    def paced_steps(self) -> tuple[int, int]:
+        """(steps the pacer planned, those of them whose tokens came later than the target)."""
+        pacer = self._pacer
+        return (0, 0) if pacer is None else (pacer.paced_steps, pacer.late_paced_steps)
+
+    @property
     def torch_threads(self) -> int | None:
         """The most torch threads the engine runs, where it leases them from its neighbours (else None)."""
         return None if self._lease is None else self._lease.max_threads
@@ -203,11 +209,16 @@ class EngineThread:
             self.num_pauses += 1
             pausing.started(paused)
             pause = pausing.max_s
-        elif not (pause := pacer.pause_s(now)):
-            return
+        else:
+            pause = pacer.pause_s(now)
+            if not pause:
+                return
+            pacer.lent()
         await self.call(self._lease.lend)
         lent_at = self._clock()
-        deadline = lent_at + pause
+        # a pause lasts its length; a paced step is due at a time, which the lend's own latency (ms on
+        # cores the neighbour's threads fill) must not push later
+        deadline = lent_at + pause if pausing is not None else now + pause
         while (left := deadline - self._clock()) > 0 and self._lease.neighbour_has_work():
             if pausing is not None and not pausing.goes_on(self._held, paused):
                 break  # a request committed meanwhile cannot spare its first gap

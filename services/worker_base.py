@@ -504,7 +504,7 @@ class Worker:
             self.metrics.observe_engine(self.engine.stats)
         if (threads := self.engine.threads_now) is not None:
             self.metrics.torch_threads.set(threads)
-        self.metrics.observe_pacing(self.engine.lent_s, self.engine.num_pauses)
+        self.metrics.observe_pacing(self.engine.lent_s, self.engine.num_pauses, *self.engine.paced_steps)
         return self.metrics.render(), self.metrics.content_type
 
 

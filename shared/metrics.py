@@ -83,9 +83,19 @@ class WorkerMetrics:
             "llmd_stream_pauses", "Times a paced decode worker paused its streams to give a long prompt beside it "
             "every core, each stream taking one late gap within LLMD_TARGETS__ITL_PERCENTILE."
         )
+        self.paced_steps = counter(
+            "llmd_paced_steps", "Steps a paced decode worker planned, lending its cores until the step was due."
+        )
+        self.paced_steps_late = counter(
+            "llmd_paced_steps_late", "Planned steps whose tokens still came later than the inter-token target "
+            "after the step before: the step outran the pacer's estimate by more than its slack. Beside the "
+            "gateway's vllm:inter_token_latency_seconds, tells the pacer's late gaps from the delivery's."
+        )
         self._last_stats: EngineStats | None = None
         self._lent_s = 0.0
         self._stream_pauses = 0
+        self._paced_steps = 0
+        self._paced_steps_late = 0
 
     def observe_engine(self, stats: EngineStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -97,11 +107,14 @@ class WorkerMetrics:
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last_stats = stats
 
-    def observe_pacing(self, lent_s: float, stream_pauses: int) -> None:
-        """The engine thread's running totals of time lent and pauses."""
+    def observe_pacing(self, lent_s: float, stream_pauses: int, paced_steps: int, paced_steps_late: int) -> None:
+        """The engine thread's running totals of time lent, pauses and planned steps."""
         self.lent_seconds.inc(lent_s - self._lent_s)
         self.stream_pauses.inc(stream_pauses - self._stream_pauses)
+        self.paced_steps.inc(paced_steps - self._paced_steps)
+        self.paced_steps_late.inc(paced_steps_late - self._paced_steps_late)
         self._lent_s, self._stream_pauses = lent_s, stream_pauses
+        self._paced_steps, self._paced_steps_late = paced_steps, paced_steps_late
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

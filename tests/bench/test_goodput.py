@@ -108,6 +108,11 @@ def test_a_small_sweep_calibrates_targets_and_reports_goodput(
     assert [p["num_requests"] for p in points] == [2, 4] and all(p["num_failed"] == 0 for p in points)
     expected = goodput([Attainment(**{**p, "misses": ()}) for p in points])
     assert document["goodput"]["disaggregated"] == expected
+    # the decode worker's planned steps at each rate, read from its /metrics (how many depends on
+    # how often the prompts overlapped its streams)
+    pacing = document["pacing"]["disaggregated"]
+    assert [p["request_rate"] for p in pacing] == [2.0, 4.0]
+    assert all(0 <= p["late_paced_steps"] <= p["paced_steps"] for p in pacing)
 
 
 def test_every_rate_sends_the_first_shapes_of_one_sample_as_new_prompts_at_one_draw_of_gaps(
@@ -121,7 +126,8 @@ def test_every_rate_sends_the_first_shapes_of_one_sample_as_new_prompts_at_one_d
 
     monkeypatch.setattr(goodput_bench, "run_load", record)
     args = goodput_bench.build_parser().parse_args(["--rates", "0.5,1,2", "--duration-s", "8", "--min-requests", "6"])
-    points = goodput_bench.sweep("server", "http://unused", args, np.arange(1000), LatencyTargets(1000, 100))
+    points, pacing = goodput_bench.sweep("server", "http://unused", args, np.arange(1000), LatencyTargets(1000, 100))
+    assert pacing == []  # no decode workers to read
     assert [p.num_requests for p in points] == [6, 8, 16]
     largest = sent[-1][0]
     assert all(shapes(requests) == shapes(largest[: len(requests)]) for requests, _ in sent)

@@ -54,8 +54,9 @@ async def test_scrape_reads_counters_histograms_and_escaped_labels(worker_page: 
     metrics.handoff_bytes["shm"].inc(3 * 2**20)
     metrics.handoff_seconds.observe(0.25)
     metrics.handoff_seconds.observe(0.5)
-    metrics.observe_pacing(lent_s=1.5, stream_pauses=2)
-    metrics.observe_pacing(lent_s=2.0, stream_pauses=3)  # running totals: the counters take the increase
+    metrics.observe_pacing(lent_s=1.5, stream_pauses=2, paced_steps=10, paced_steps_late=1)
+    # running totals: the counters take the increase
+    metrics.observe_pacing(lent_s=2.0, stream_pauses=3, paced_steps=40, paced_steps_late=2)
 
     # the page is read synchronously, so off the loop that serves it
     samples = await asyncio.to_thread(scrape_metrics, url)
@@ -70,6 +71,8 @@ async def test_scrape_reads_counters_histograms_and_escaped_labels(worker_page: 
     assert samples[f"vllm:prefix_cache_hits_total{{{labels}}}"] == 0
     assert samples[f"llmd_lent_seconds_total{{{labels}}}"] == 2.0
     assert samples[f"llmd_stream_pauses_total{{{labels}}}"] == 3
+    assert samples[f"llmd_paced_steps_total{{{labels}}}"] == 40
+    assert samples[f"llmd_paced_steps_late_total{{{labels}}}"] == 2
     assert metric_sum(samples, "llmd_handoff_seconds_sum") == 0.75
 
 

@@ -271,6 +271,7 @@ def test_a_paced_engine_lends_its_cores_between_steps_only_while_a_neighbour_has
         await thread.step()
         await thread.step()
         assert thread.lent_s == 0  # no neighbour has work: no one to lend to
+        assert thread.paced_steps == (0, 0)  # nor a step planned
 
         asker, taken = in_thread(neighbour.before_step)  # the neighbour gets a prompt
         until(lambda: host.slots()[neighbour.name] == (0, 1), "the neighbour to ask for its core")
@@ -283,10 +284,56 @@ def test_a_paced_engine_lends_its_cores_between_steps_only_while_a_neighbour_has
         neighbour.after_call(has_work=False)  # its prompt is done: the engine steps at once
         await step
         assert thread.lent_s > 0
+        assert thread.paced_steps == (1, 0)  # planned, and its token well within the 60 s target
         lent_s = thread.lent_s
         while engine.has_unfinished:
             await thread.step()
-        assert thread.lent_s == lent_s
+        assert thread.lent_s == lent_s and thread.paced_steps == (1, 0)
+        thread.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_paced_step_is_due_at_its_time_however_long_lending_the_cores_took(
+    host: Host, model_path: str, two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = engine_settings(model_path, host.directory)
+    now = [0.0]
+
+    def clock() -> float:  # moves on as it is read, so a wait on it ends
+        now[0] += 0.0005
+        return now[0]
+
+    async def run() -> None:
+        thread = EngineThread(clock=clock)
+        engine = await thread.load(settings)
+        assert thread.pace_to(1.0)  # the next token is due 0.9 s after the last
+        neighbour = host.lease("neighbour")
+        await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=8, temperature=0))
+        await thread.step()
+        await thread.step()
+
+        lease = thread._lease
+        assert lease is not None
+        lend = lease.lend
+
+        def slow_lend() -> None:  # the lend itself ends after the token was due
+            now[0] += 0.85
+            lend()
+
+        monkeypatch.setattr(lease, "lend", slow_lend)
+        asker, taken = in_thread(neighbour.before_step)  # the neighbour gets a prompt
+        until(lambda: host.slots()[neighbour.name] == (0, 1), "the neighbour to ask for its core")
+        now[0] += 0.1
+        step = asyncio.ensure_future(thread.step())
+        while not step.done():  # the neighbour's layer loop: it gives the cores back once the engine asks
+            neighbour.rebalance()
+            await asyncio.sleep(0.001)
+        await step
+        asker.join()
+        # the step went at once after the lend, 0.95 s after the last token, not a pause later
+        assert thread.paced_steps == (1, 0) and thread.lent_s < 0.01
         thread.shutdown()
 
     asyncio.run(run())

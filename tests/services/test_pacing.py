@@ -41,6 +41,30 @@ def test_the_slowest_recent_step_sets_the_margin_and_old_ones_age_out() -> None:
     assert pacer.pause_s(now) == pytest.approx((1 - SLACK) * TARGET_S - 0.03)
 
 
+def test_it_counts_the_steps_it_planned_and_those_whose_tokens_still_came_late() -> None:
+    pacer = StepPacer(TARGET_S)
+    pacer.lent()
+    pacer.woke(0.0)
+    pacer.stepped(0.05)  # the first token: no gap before it to plan
+    assert (pacer.paced_steps, pacer.late_paced_steps) == (0, 0)
+    pacer.woke(0.1)
+    pacer.stepped(0.15)  # not planned: it started as soon as it was asked for
+    assert (pacer.paced_steps, pacer.late_paced_steps) == (0, 0)
+
+    pause = pacer.pause_s(0.16)
+    pacer.lent()
+    pacer.woke(0.16 + pause)
+    pacer.stepped(0.16 + pause + 0.05)  # as long as the slowest recent step: on time
+    assert (pacer.paced_steps, pacer.late_paced_steps) == (1, 0)
+
+    token_at = 0.16 + pause + 0.05
+    pause = pacer.pause_s(token_at)
+    pacer.lent()
+    pacer.woke(token_at + pause)
+    pacer.stepped(token_at + pause + 0.05 + SLACK * TARGET_S + 0.01)  # outran the estimate by more than the slack
+    assert (pacer.paced_steps, pacer.late_paced_steps) == (2, 1)
+
+
 def test_a_target_must_be_positive() -> None:
     with pytest.raises(ValueError, match="must be positive, got 0"):
         StepPacer(0)
