@@ -15,9 +15,10 @@ Every rate sends the lengths of the first requests of one sample at one draw of 
 scaled to the rate, so the rates differ in load alone; each rate's prompts are new tokens, so no
 rate finds the prompts of the one before in the prefix cache. Per rate it prints the share of
 requests meeting the TTFT target, the inter-token target (each request's p90 gap by default;
-bench/serving/attainment.py) and both; the goodput is the highest
-rate up to which at least --share (90%) meet both. Writes bench/results/<name>.json and a plot of
-attainment against rate, bench/results/<name>.png.
+bench/serving/attainment.py) and both, and for the disaggregated stack the steps its decode worker
+paced and how many of them still came late (llmd_paced_steps, docs/deploy.md); the goodput is the
+highest rate up to which at least --share (90%) meet both. Writes bench/results/<name>.json and a
+plot of attainment against rate, bench/results/<name>.png.
 """
 
 from __future__ import annotations
