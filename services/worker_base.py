@@ -31,6 +31,7 @@ from services.engine_thread import EngineThread
 from services.health import create_health_app
 from services.kv_events import KVEventPublisher, KVEventSource
 from services.kv_transfer import kv_transports
+from services.malloc_tuning import keep_freed_memory
 from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.paths import ModelNotFoundError, resolve_model_path
@@ -531,6 +532,7 @@ def main(worker_cls: type[Worker]) -> None:
         format=f"%(asctime)s %(levelname)s [{worker.worker_id}] %(name)s: %(message)s",
     )
     warn_unknown_settings()
+    keep_freed_memory()
     try:
         pin_to_cpus(settings.worker.cpus)
         asyncio.run(worker.run())
