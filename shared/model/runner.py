@@ -16,6 +16,7 @@ from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
 from shared.model.config import ModelConfig
 from shared.model.cuda_graphs import DecodeGraphs
+from shared.model.huge_pages import huge_zeros
 from shared.model.llama import AttentionMetadata, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -60,10 +61,9 @@ class ModelRunner:
         # On CUDA one extra block, owned by no request, absorbs the padded rows of graph replays.
         # an 8-bit format's rows are bytes: head_dim codes, then the row's scale (kernels/kv_quant.py)
         row = self.kv_format.row_elements(cfg.head_dim)
-        self.kv_cache = torch.zeros(
+        self.kv_cache = huge_zeros(
             (cfg.num_layers, 2, num_blocks + int(use_graphs), block_size, cfg.num_kv_heads, row),
-            dtype=self.kv_format.storage_dtype,
-            device=model.device,
+            self.kv_format.storage_dtype, model.device,
         )
         logger.info(
             "KV pool: %d blocks of %d tokens (%.1f MiB, %s)",
