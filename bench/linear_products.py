@@ -8,7 +8,9 @@ than from cache), through `kernels.quantized_linear` and through the oneDNN-pack
 weight that `shared.model.linear.Linear` keeps; prints the best of 5 passes (of two tries)
 each, in ms. Where the two cross is where `QUANTIZED_MAX_ROWS` belongs on this machine.
 `--dtype bfloat16`: bfloat16 inputs and weights, and the blocks rounded to them, as a bfloat16
-model runs them (`QUANTIZED_MAX_ROWS_BF16`).
+model runs them: through `kernels.quantized_linear.quantized_linear_bf16` on a CPU with AVX512-BF16
+and no AMX (`BF16_KERNEL_MAX_ROWS`, on OMP_NUM_THREADS=1 `BF16_KERNEL_MAX_ROWS_ONE_THREAD`),
+elsewhere the float32 kernel (`QUANTIZED_MAX_ROWS_BF16`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import quantized_linear
-from shared.model.linear import Linear, onednn_packing_available
+from shared.model.linear import Linear, bf16_kernel_applies, onednn_packing_available
 from shared.model.loader import load_model
 
 
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| rows | blocks ms | {args.dtype} ms |")
     print("|---:|---:|---:|")
     bf16 = dtype == torch.bfloat16
+    bf16_kernel = bf16_kernel_applies(dtype)
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {k: torch.randn(rows, k).to(dtype) for k in {b.in_features for b, _ in pairs}}
 
@@ -60,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             # as `Linear` calls them for a bfloat16 model: x widened, the weights rounded, y rounded back
             for blocks, _ in pairs:
                 x = inputs[blocks.in_features]
-                if bf16:
+                if bf16_kernel:
+                    quantized_linear.quantized_linear_bf16(x, blocks, None)
+                elif bf16:
                     quantized_linear.quantized_linear(x.float(), blocks, None, bf16_weights=True).bfloat16()
                 else:
                     quantized_linear.quantized_linear(x, blocks, None)

@@ -1,17 +1,21 @@
-"""Linear layers over weights kept in their GGUF block format (Q4_1, Q8_0), float32 in and out.
+"""Linear layers over weights kept in their GGUF block format (Q4_1, Q8_0).
 
 `dequantize` is the PyTorch reference: it widens the blocks to the same float32 values as
 gguf's dequantiser, and `quantized_linear_ref` is F.linear over them. `quantized_linear` runs
-csrc/quantized_linear.c, which widens each block in registers as it goes, so a small batch
-reads 0.6-1.1 bytes a weight instead of 4 (see the C file for why the weights it uses are
-bitwise those of the reference). Built on first use for this CPU (see `kernels.cpu_build`);
-where it cannot be built, `load()` logs why once and returns None.
+csrc/quantized_linear.c, float32 in and out, which widens each block in registers as it goes,
+so a small batch reads 0.6-1.1 bytes a weight instead of 4 (see the C file for why the weights
+it uses are bitwise those of the reference). `quantized_linear_bf16` runs
+csrc/quantized_linear_bf16.c, bfloat16 in and out with the weights rounded to bfloat16 as a
+bfloat16 model holds them, on CPUs with AVX512-BF16 (`load_bf16`). Both are built on first use
+for this CPU (see `kernels.cpu_build`); where one cannot be built, its loader logs why once and
+returns None.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from kernels.cpu_build import CSRC, load_functions, profiled
 
 SOURCE = CSRC / "quantized_linear.c"
+BF16_SOURCE = CSRC / "quantized_linear_bf16.c"
 COMPILE_FLAGS = ()
 BLOCK = 32
 # bytes a block of 32 weights takes, and the C kernel's code for the format
@@ -29,7 +34,9 @@ BF16_FORMAT_OFFSET = 2  # the C kernel's code for a format with its weights roun
 
 _INT64, _INT32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 # out, its row stride, x, its row stride, blocks, bias (or NULL), M, N, K, format code
-_SIGNATURES = {"quantized_linear": [_PTR, _INT64, _PTR, _INT64, _PTR, _PTR, _INT32, _INT32, _INT32, _INT32]}
+_PRODUCT_ARGS = [_PTR, _INT64, _PTR, _INT64, _PTR, _PTR, _INT32, _INT32, _INT32, _INT32]
+_SIGNATURES = {"quantized_linear": _PRODUCT_ARGS}
+_BF16_SIGNATURES = {"quantized_linear_bf16": _PRODUCT_ARGS, "quantized_linear_bf16_available": []}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,15 @@ def load() -> ctypes.CDLL | None:
     return load_functions(SOURCE, COMPILE_FLAGS, "the small-batch linear layers over GGUF blocks", _SIGNATURES)
 
 
+@functools.cache
+def load_bf16() -> ctypes.CDLL | None:
+    """The bfloat16 kernel, building it on first use; None where this CPU lacks AVX512-BF16 (silently:
+    the float32 kernel and oneDNN serve there) or where it cannot be built (logged once)."""
+    lib = load_functions(BF16_SOURCE, COMPILE_FLAGS, "the bfloat16 small-batch linear layers over GGUF blocks",
+                         _BF16_SIGNATURES)
+    return lib if lib is not None and lib.quantized_linear_bf16_available() else None
+
+
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, bf16_weights: bool = False
 ) -> torch.Tensor:
@@ -111,19 +127,39 @@ def quantized_linear(
     lib = load()
     if lib is None:
         raise RuntimeError(f"the quantized linear kernel is not built (see the warning logged for {SOURCE})")
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features or x.stride(1) != 1:
+    code = FORMAT_CODES[weight.format] + (BF16_FORMAT_OFFSET if bf16_weights else 0)
+    return _product(lib.quantized_linear, "quantized linear kernel", x, torch.float32, weight, bias, code, "2 x")
+
+
+def quantized_linear_bf16(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in_features] bfloat16 on the CPU, last dim contiguous -> [rows, out_features] bfloat16,
+    each weight rounded to bfloat16 as a bfloat16 model holds it; `bias` float32 [out_features] or None.
+    The sums are float32, and each output is rounded once (`quantized_linear_ref(x.float(), weight,
+    bias, bf16_weights=True).bfloat16()` but for the order of the sums). Checks only what
+    `quantized_linear` checks."""
+    lib = load_bf16()
+    if lib is None:
+        raise RuntimeError(f"the bfloat16 quantized linear kernel is not available here (see {BF16_SOURCE})")
+    return _product(lib.quantized_linear_bf16, "bfloat16 quantized linear kernel", x, torch.bfloat16, weight, bias,
+                    FORMAT_CODES[weight.format], "16 x")
+
+
+def _product(
+    kernel: Callable[..., int], what: str, x: torch.Tensor, dtype: torch.dtype, weight: QuantizedWeight,
+    bias: torch.Tensor | None, code: int, scratch_rows: str,
+) -> torch.Tensor:
+    if x.dtype != dtype or x.dim() != 2 or x.shape[1] != weight.in_features or x.stride(1) != 1:
         raise ValueError(
-            f"the quantized linear kernel takes float32 [rows, {weight.in_features}] with a contiguous last dim, "
-            f"got {x.dtype} {list(x.shape)} with strides {x.stride()}"
+            f"the {what} takes {str(dtype).removeprefix('torch.')} [rows, {weight.in_features}] with a contiguous "
+            f"last dim, got {x.dtype} {list(x.shape)} with strides {x.stride()}"
         )
     rows, out_features = x.shape[0], weight.blocks.shape[0]
-    out = torch.empty(rows, out_features, dtype=torch.float32)
-    with profiled("llmd::quantized_linear"):
-        failed = lib.quantized_linear(
+    out = torch.empty(rows, out_features, dtype=dtype)
+    with profiled(f"llmd::{kernel.__name__}"):
+        failed = kernel(
             out.data_ptr(), out_features, x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
-            None if bias is None else bias.data_ptr(), rows, out_features, weight.in_features,
-            FORMAT_CODES[weight.format] + (BF16_FORMAT_OFFSET if bf16_weights else 0),
+            None if bias is None else bias.data_ptr(), rows, out_features, weight.in_features, code,
         )
     if failed:  # 2 (arguments it does not take) is ruled out by QuantizedWeight's checks
-        raise MemoryError(f"the quantized linear kernel could not allocate scratch for 2 x {weight.in_features} floats")
+        raise MemoryError(f"the {what} could not allocate scratch for {scratch_rows} {weight.in_features} values")
     return out

@@ -21,7 +21,13 @@ by arithmetic, and oneDNN's is better than widening blocks on the fly). A bfloat
 the same up to QUANTIZED_MAX_ROWS_BF16 rows, the kernel rounding each weight to bfloat16 as the
 model's copy is rounded: on a 2-core Xeon with AMX the model's products took 13.4-13.8 /
 14.7 / 15.5-16.0 ms a pass at 1 / 2 / 3 rows against oneDNN's 16.1-16.6 on the 2 bytes a weight,
-and 17.3-20.1 against 16.4-17.0 at 4 rows.
+and 17.3-20.1 against 16.4-17.0 at 4 rows. On a CPU with AVX512-BF16 but no AMX (AMD's Zen 4
+and 5), a bfloat16 model's products go instead to `kernels.quantized_linear.quantized_linear_bf16`,
+which multiplies the rounded weights on the CPU's bfloat16 dot products, up to
+BF16_KERNEL_MAX_ROWS rows on two threads or more and BF16_KERNEL_MAX_ROWS_ONE_THREAD on one
+(see its C file for the measurements; on one thread it widens the blocks no faster than oneDNN
+streams the 2 bytes, on two it does). With AMX, oneDNN multiplies on the tile unit and the
+float32 kernel's crossover above stands.
 
 At prefill sizes on an AVX2 CPU, float32, the layers' products of at least PLAIN_MIN_ROWS rows
 go back to F.linear (MKL) on a plain copy of the weight: on the 2-core EPYC of machine J
@@ -53,6 +59,11 @@ QUANTIZED_MAX_ROWS = 32 if torch.backends.cpu.get_cpu_capability() == "AVX2" els
 # over the model's products): the crossover measured on a 2-core Xeon with AMX lies between 3
 # and 4 rows (`python -m bench.linear_products --dtype bfloat16`)
 QUANTIZED_MAX_ROWS_BF16 = 3
+# the most rows a bfloat16 product sends to the bfloat16 block kernel (`bf16_kernel_applies`), on two
+# threads or more and on one: up to where whole decode steps on a 2-core Zen 4 still got faster with
+# it (alone, the products gain further, to 12 rows on two threads: see the kernel's C file)
+BF16_KERNEL_MAX_ROWS = 8
+BF16_KERNEL_MAX_ROWS_ONE_THREAD = 3
 # the fewest rows a layer's product sends to MKL where `plain_products_faster` (prefill sizes)
 PLAIN_MIN_ROWS = 256
 
@@ -82,13 +93,30 @@ def quantized_kernel_available(dtype: torch.dtype, device: torch.device) -> bool
     return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and block_kernel.load() is not None
 
 
+def bf16_kernel_applies(dtype: torch.dtype) -> bool:
+    """Whether a `Linear` of this dtype with blocks sends its small products to the bfloat16 block kernel:
+    bfloat16 on a CPU with AVX512-BF16 (the kernel loads) and no AMX."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return dtype == torch.bfloat16 and not (amx is not None and amx()) and block_kernel.load_bf16() is not None
+
+
 def quantized_max_rows(dtype: torch.dtype) -> int:
-    """The most rows a product of this dtype sends to the block kernel."""
+    """The most rows a product of this dtype sends to a block kernel (on any number of threads)."""
+    if bf16_kernel_applies(dtype):
+        return BF16_KERNEL_MAX_ROWS
     return QUANTIZED_MAX_ROWS_BF16 if dtype == torch.bfloat16 else QUANTIZED_MAX_ROWS
 
 
+def block_rows_text(dtype: torch.dtype) -> str:
+    """For the log: the products of this dtype a block kernel takes."""
+    if bf16_kernel_applies(dtype):
+        return (f"{BF16_KERNEL_MAX_ROWS} rows ({BF16_KERNEL_MAX_ROWS_ONE_THREAD} on one thread) "
+                "on the bfloat16 dot products")
+    return f"{quantized_max_rows(dtype)} rows"
+
+
 class Linear:
-    __slots__ = ("weight", "bias", "packed", "quantized", "plain", "quantized_max_rows")
+    __slots__ = ("weight", "bias", "packed", "quantized", "plain", "quantized_max_rows", "bf16_kernel")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, quantized: QuantizedWeight | None = None,
@@ -107,17 +135,26 @@ class Linear:
         self.packed = pack
         self.quantized = quantized
         self.quantized_max_rows = quantized_max_rows(weight.dtype)
+        self.bf16_kernel = quantized is not None and bf16_kernel_applies(weight.dtype)
         # the packed copy replaces the plain one: keeping both would double the weights' memory
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else weight
         self.plain = weight if pack and keep_plain else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] <= self.quantized_max_rows:
-            if x.dtype == torch.bfloat16:  # widened exactly, the weights rounded as the model's are, y rounded back
+        rows = x.shape[0]
+        if self.quantized is not None and rows <= self.quantized_max_rows:
+            if self.bf16_kernel:
+                if rows <= BF16_KERNEL_MAX_ROWS_ONE_THREAD or torch.get_num_threads() > 1:
+                    bias = None if self.bias is None else self.bias.float()
+                    x = x if x.stride(-1) == 1 else x.contiguous()
+                    return block_kernel.quantized_linear_bf16(x, self.quantized, bias)
+            elif x.dtype == torch.bfloat16:  # widened exactly, the weights rounded as the model's are, y rounded back
                 bias = None if self.bias is None else self.bias.float()
                 return block_kernel.quantized_linear(x.float(), self.quantized, bias, bf16_weights=True).bfloat16()
-            return block_kernel.quantized_linear(x if x.stride(-1) == 1 else x.contiguous(), self.quantized, self.bias)
-        if self.plain is not None and x.shape[0] >= PLAIN_MIN_ROWS:
+            else:
+                return block_kernel.quantized_linear(x if x.stride(-1) == 1 else x.contiguous(), self.quantized,
+                                                     self.bias)
+        if self.plain is not None and rows >= PLAIN_MIN_ROWS:
             return F.linear(x, self.plain, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

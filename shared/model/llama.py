@@ -26,8 +26,8 @@ from shared.model.linear import (
     Linear,
     onednn_packing_available,
     plain_products_faster,
+    block_rows_text,
     quantized_kernel_available,
-    quantized_max_rows,
 )
 from shared.model.rotary import cos_sin_cache
 
@@ -112,10 +112,10 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         layers = [self.lm_head] + [lin for w in self.layers for lin in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
         in_blocks = sum(lin.quantized is not None for lin in layers)
-        logger.info("linear layers: %s%s; %d of %d also as GGUF blocks for products of up to %d rows; the weights "
+        logger.info("linear layers: %s%s; %d of %d also as GGUF blocks for products of up to %s; the weights "
                     "take %.0f MiB", "oneDNN, packed at load" if pack else "F.linear",
                     f", MKL on a plain copy from {PLAIN_MIN_ROWS} rows" if keep_plain else "", in_blocks, len(layers),
-                    quantized_max_rows(dtype), self.weight_bytes() / 2**20)
+                    block_rows_text(dtype), self.weight_bytes() / 2**20)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take here, the packed copy of a tied LM head included."""

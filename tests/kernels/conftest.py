@@ -56,7 +56,8 @@ def without_a_compiler(
     warnings of the attempts are captured in `caplog`."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    loaders = (cpu_attention.load, cpu_attention.load_prefill, cpu_layer_ops.load, quantized_linear.load)
+    loaders = (cpu_attention.load, cpu_attention.load_prefill, cpu_layer_ops.load, quantized_linear.load,
+               quantized_linear.load_bf16)
     for load in loaders:
         load.cache_clear()
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):

@@ -128,6 +128,8 @@ def test_linear_sends_small_products_to_the_blocks_and_large_ones_to_the_float32
 def test_a_bfloat16_linear_sends_its_smallest_products_to_the_blocks_with_its_own_weights(
     built: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """As on a CPU with AMX (or without AVX512-BF16): the float32 kernel over the rounded weights."""
+    monkeypatch.setattr(linear_module, "bf16_kernel_applies", lambda dtype: False)
     weight = random_blocks("q4_1", 64, 128, seed=6)
     layer = Linear(dequantize(weight).bfloat16(), None, pack=False, quantized=weight)
     calls = []
@@ -190,3 +192,85 @@ def test_calls_show_in_the_profiler_only_while_it_records(built: None) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         quantized_linear(x, weight, None)
     assert "llmd::quantized_linear" in {event.key for event in prof.key_averages()}
+
+
+def cpu_has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+
+
+@pytest.fixture
+def built_bf16() -> None:
+    """For the tests of the bfloat16 kernel: it must build wherever the CPU has AVX512-BF16."""
+    if not cpu_has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    require_built(qlin.load_bf16, "the bfloat16 quantized linear kernel")
+
+
+def bf16_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return quantized_linear_ref(x.float(), weight, bias, bf16_weights=True).bfloat16()
+
+
+# rows: every tile height (1-4) and splits into even tiles (5 as 3 + 2, 7 as 4 + 3, 13 as 4 + 3 + 3 + 3);
+# 37 output rows: two whole panels of 16 and one of 5, whose last group has one row
+@pytest.mark.parametrize("block_format", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_kernel_matches_the_reference(block_format: str, rows: int, with_bias: bool, built_bf16: None) -> None:
+    weight = random_blocks(block_format, 37, 160, seed=rows)
+    gen = torch.Generator().manual_seed(200 + rows)
+    x = torch.randn(rows, 160, generator=gen).bfloat16()
+    bias = torch.randn(37, generator=gen) if with_bias else None
+    out = qlin.quantized_linear_bf16(x, weight, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 37)
+    # the same float32 products summed in another order, each output rounded once: equal but for a
+    # sum on a rounding edge, one bfloat16 step (2**-7 relative at most) apart
+    torch.testing.assert_close(out, bf16_reference(x, weight, bias), atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("block_format", FORMATS)
+def test_bf16_kernel_multiplies_by_the_models_bf16_weights_bitwise(block_format: str, built_bf16: None) -> None:
+    """Rows of the identity give each weight back, times one and plus exact zeros: every widened
+    weight, fp16 subnormal scales and Q4_1 minimums included, is the loader's bfloat16 one."""
+    weight = random_blocks(block_format, 33, 64, seed=9)
+    out = qlin.quantized_linear_bf16(torch.eye(64).bfloat16(), weight, None)
+    assert torch.equal(out.t(), dequantize(weight).bfloat16())
+
+
+def test_bf16_kernel_reads_strided_rows_of_a_model_sized_weight(built_bf16: None) -> None:
+    weight = random_blocks("q4_1", 1536, 576, seed=3)
+    x = torch.randn(6, 1000).bfloat16()[:, 100:676]
+    assert x.stride() == (1000, 1)
+    torch.testing.assert_close(qlin.quantized_linear_bf16(x, weight, None), bf16_reference(x, weight, None),
+                               atol=0, rtol=2**-7)
+
+
+def test_bf16_kernel_refuses_inputs_it_cannot_read(built_bf16: None) -> None:
+    weight = random_blocks("q8_0", 4, 64, seed=0)
+    for x in (torch.randn(2, 64), torch.randn(2, 32).bfloat16(), torch.randn(64, 2).bfloat16().t()):
+        with pytest.raises(ValueError, match=r"takes bfloat16 \[rows, 64\] with a contiguous last dim"):
+            qlin.quantized_linear_bf16(x, weight, None)
+
+
+def test_a_bfloat16_linear_sends_more_rows_to_the_bf16_kernel_on_two_threads_than_on_one(
+    built: None, built_bf16: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not linear_module.bf16_kernel_applies(torch.bfloat16):
+        pytest.skip("this CPU has AMX: oneDNN's products run on its tile unit, and the float32 kernel takes 1-3 rows")
+    weight = random_blocks("q4_1", 64, 128, seed=6)
+    layer = Linear(dequantize(weight).bfloat16(), None, pack=linear_module.onednn_packing_available(
+        torch.bfloat16, torch.device("cpu")), quantized=weight)
+    calls = []
+    kernel = qlin.quantized_linear_bf16
+    monkeypatch.setattr(qlin, "quantized_linear_bf16", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    threads = torch.get_num_threads()
+    one, many = linear_module.BF16_KERNEL_MAX_ROWS_ONE_THREAD, linear_module.BF16_KERNEL_MAX_ROWS
+    try:
+        for num_threads, row_counts in ((1, (1, one, one + 1)), (2, (one + 1, many, many + 1))):
+            torch.set_num_threads(num_threads)
+            for rows in row_counts:
+                x = torch.randn(rows, 128).bfloat16()
+                torch.testing.assert_close(layer(x), bf16_reference(x, weight, None), atol=0, rtol=2**-7)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1, one, one + 1, many]
