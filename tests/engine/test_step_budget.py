@@ -47,6 +47,24 @@ def test_the_fit_recovers_the_cost_and_the_chunk_fills_the_target() -> None:
     assert budget.prompt_tokens(8, context=1000) < budget.prompt_tokens(8, context=0)
 
 
+def test_a_step_aims_below_the_target_by_how_far_recent_steps_ran_past_their_fit() -> None:
+    exact, scattered = StepBudget(target_s=0.2), StepBudget(target_s=0.2)
+    sizes = [(0, 0), (256, 0), (300, 256), (0, 0), (128, 1024), (512, 0), (64, 1800), (200, 0)]
+    for rep in range(4):
+        for i, (prompt_tokens, context) in enumerate(sizes):
+            observe(exact, TRUE_COST, 8, prompt_tokens, context)
+            jitter = 0.01 if (rep + i) % 2 else -0.01  # each size 10 ms over its cost twice, under it twice
+            scattered.observe(8 + prompt_tokens, attention_pairs(prompt_tokens, context),
+                              step_time(TRUE_COST, 8, prompt_tokens, context) + jitter)
+    assert exact.overrun_s() == pytest.approx(0.0, abs=1e-9)
+    assert fitted(scattered) == pytest.approx(astuple(TRUE_COST), rel=1e-6)
+    assert scattered.overrun_s() == pytest.approx(0.01)
+    tokens = scattered.prompt_tokens(num_decoding=8, context=0)
+    aim = (1 - SLACK) * 0.2 - 0.01
+    assert step_time(TRUE_COST, 8, tokens, 0) <= aim < step_time(TRUE_COST, 8, tokens + 1, 0)
+    assert tokens < exact.prompt_tokens(num_decoding=8, context=0)
+
+
 def test_without_attention_in_the_steps_a_line_is_fitted() -> None:
     budget = StepBudget(target_s=0.2)
     for tokens in (1, 8, 100, 8, 300):
