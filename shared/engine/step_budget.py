@@ -20,10 +20,10 @@ Poisson arrivals of a chat mix at 1.5 req/s with an 86 ms target, steps aimed at
 p50 / p90 / p99 76 / 82-85 / 91-94 ms (their residuals +-7 ms at p10 / p90), so 5-9% of them ran
 past the target, and more of the gaps a client sees, which also hold the worker's time between
 steps. So a step aims below the target by the OVERRUN_QUANTILE of the recent steps' residuals
-too: there the steps took 71 / 79 / 90 ms, 2.6% past the target, and through a colocated stack the
-requests meeting the p90 gap target went from 92 / 81% to 98 / 97% at 1 / 1.5 req/s, those
-meeting the TTFT target from 85 / 86% to 95 / 76% (smaller chunks; one run each, docs/benchmarks.md,
-machine Y).
+too: there the steps took 71 / 79 / 90 ms, 2.6% past the target. Through a colocated stack at
+1.5 req/s the requests meeting the p90 gap target went from 81% to 97-98%, and, the chunks being
+smaller, those meeting the TTFT target from 86% to 63-76% (docs/benchmarks.md, machine Y): the
+trade the target asks for, which `fit_steps_to_itl_target` turns off.
 """
 
 from __future__ import annotations
