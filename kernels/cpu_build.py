@@ -83,6 +83,13 @@ def _compile(source: Path, compiler: str, compile_flags: tuple[str, ...], target
                 source.name, time.monotonic() - started, target.parent)
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles that torch (oneDNN) multiplies on: where it does, oneDNN's and
+    torch's bfloat16 products beat the C kernels that some choices here would otherwise take."""
+    is_amx_tile_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return is_amx_tile_supported is not None and is_amx_tile_supported()
+
+
 def profiled(name: str) -> contextlib.AbstractContextManager:
     """A profiler range named `name` while the torch profiler records, else nothing: entering
     one costs 10-50 us even with no profiler on, more than a decode step's kernel call itself."""

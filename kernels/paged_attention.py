@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import _triton, cpu_attention
 from kernels._triton import jit, tl
+from kernels.cpu_build import cpu_has_amx
 from kernels.kv_quant import KVFormat, from_cache, triton_constants, triton_load_rows, unscaled_format
 
 # Split-K decode: one program per (request, kv head, partition of the context) so that a
@@ -479,11 +480,7 @@ def sdpa_prefills_faster(dtype: torch.dtype, kv_format: KVFormat) -> bool:
     heads, a layer: one 2,048-token prompt 31 -> 8.6 ms, 8 x 256 tokens 5.4 -> 2.4 ms, 512 tokens
     after 1,536 cached 13.3 -> 4.5 ms; only 32 x 64 tokens was slower (2.2 -> 2.6 ms, a Python
     loop over the requests). Not in float32 (the kernel was 1.1-1.8x faster there)."""
-    is_amx_tile_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return (
-        dtype == torch.bfloat16 and kv_format == unscaled_format(torch.bfloat16)
-        and is_amx_tile_supported is not None and is_amx_tile_supported()
-    )
+    return dtype == torch.bfloat16 and kv_format == unscaled_format(torch.bfloat16) and cpu_has_amx()
 
 
 def paged_attention_cpu(

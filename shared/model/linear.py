@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import quantized_linear as block_kernel
+from kernels.cpu_build import cpu_has_amx
 from kernels.quantized_linear import QuantizedWeight
 
 # the most rows a product sends to the block kernel: about where both products are bound by
@@ -96,8 +97,7 @@ def quantized_kernel_available(dtype: torch.dtype, device: torch.device) -> bool
 def bf16_kernel_applies(dtype: torch.dtype) -> bool:
     """Whether a `Linear` of this dtype with blocks sends its small products to the bfloat16 block kernel:
     bfloat16 on a CPU with AVX512-BF16 (the kernel loads) and no AMX."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return dtype == torch.bfloat16 and not (amx is not None and amx()) and block_kernel.load_bf16() is not None
+    return dtype == torch.bfloat16 and not cpu_has_amx() and block_kernel.load_bf16() is not None
 
 
 def quantized_max_rows(dtype: torch.dtype) -> int:

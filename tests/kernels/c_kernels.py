@@ -10,6 +10,12 @@ from collections.abc import Callable
 import pytest
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (avx512_bf16, amx_bf16, ...) for this CPU."""
+    with open("/proc/cpuinfo") as f:
+        return flag in f.read().split()
+
+
 def require_built(load: Callable[[], ctypes.CDLL | None], what: str) -> None:
     """Fail when a C compiler is present but `load()` could not build `what`; skip only on a
     machine with no compiler at all (the no-compiler fallback tests still run there)."""

@@ -12,7 +12,7 @@ from kernels.paged_attention import (
     paged_attention_ref,
     paged_attention_triton,
 )
-from tests.kernels.c_kernels import require_built
+from tests.kernels.c_kernels import cpu_has, require_built
 from tests.kernels.paged_batch import PagedBatch, dense_causal_attention, make_paged_batch
 
 # (seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size)
@@ -144,14 +144,9 @@ def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.bfloat16])
 
 
-def _cpu_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return flag in f.read().split()
-
-
 def test_bf16_prefill_runs_on_dot_products_exactly_where_the_cpu_has_them(cpu_kernel: None) -> None:
     batch = _batch(EXTEND_CASES[0], torch.bfloat16)
-    assert cpu_attention.prefill_uses_bf16_dot(batch.q, batch.k_cache) == _cpu_has("avx512_bf16")
+    assert cpu_attention.prefill_uses_bf16_dot(batch.q, batch.k_cache) == cpu_has("avx512_bf16")
     assert not cpu_attention.prefill_uses_bf16_dot(batch.q.float(), batch.k_cache.float())
     odd = _batch(([20], [20], 4, 2, 80, 16), torch.bfloat16)  # head_dim 80: not whole 32-lane pairs
     assert not cpu_attention.prefill_uses_bf16_dot(odd.q, odd.k_cache)
@@ -163,7 +158,7 @@ def _decode_shape(head_dim: int, num_heads: int, dtype: torch.dtype) -> tuple[to
 
 
 def test_bf16_decode_runs_on_amx_exactly_where_the_cpu_has_it(cpu_kernel: None) -> None:
-    has_amx = _cpu_has("amx_bf16")
+    has_amx = cpu_has("amx_bf16")
     assert cpu_attention.runs_on_amx(*_decode_shape(64, 9, torch.bfloat16)) == has_amx  # SmolLM2's attention
     assert cpu_attention.runs_on_amx(*_decode_shape(32, 6, torch.bfloat16)) == has_amx
     assert not cpu_attention.runs_on_amx(*_decode_shape(64, 9, torch.float32))
@@ -172,7 +167,7 @@ def test_bf16_decode_runs_on_amx_exactly_where_the_cpu_has_it(cpu_kernel: None) 
 
 
 def test_bf16_decode_runs_on_dot_products_where_the_cpu_has_them_and_amx_does_not_take_it(cpu_kernel: None) -> None:
-    has_dot = _cpu_has("avx512_bf16")
+    has_dot = cpu_has("avx512_bf16")
     for head_dim, num_heads in ((64, 9), (128, 9), (32, 6), (64, 3 * 17)):
         q, k_cache = _decode_shape(head_dim, num_heads, torch.bfloat16)
         expected = has_dot and not cpu_attention.runs_on_amx(q, k_cache)

@@ -18,7 +18,7 @@ from shared.model import linear as linear_module
 from shared.model.linear import QUANTIZED_MAX_ROWS, QUANTIZED_MAX_ROWS_BF16, Linear
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel
-from tests.kernels.c_kernels import require_built
+from tests.kernels.c_kernels import cpu_has, require_built
 
 GGML_TYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 FORMATS = list(GGML_TYPES)
@@ -194,17 +194,16 @@ def test_calls_show_in_the_profiler_only_while_it_records(built: None) -> None:
     assert "llmd::quantized_linear" in {event.key for event in prof.key_averages()}
 
 
-def cpu_has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-
-
 @pytest.fixture
 def built_bf16() -> None:
     """For the tests of the bfloat16 kernel: it must build wherever the CPU has AVX512-BF16."""
-    if not cpu_has_avx512_bf16():
-        pytest.skip("this CPU has no AVX512-BF16")
+    if not cpu_has("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")  # the test below checks the kernel is not offered there
     require_built(qlin.load_bf16, "the bfloat16 quantized linear kernel")
+
+
+def test_the_bf16_kernel_is_offered_exactly_where_the_cpu_has_avx512_bf16(built: None) -> None:
+    assert (qlin.load_bf16() is not None) == cpu_has("avx512_bf16")
 
 
 def bf16_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -255,7 +254,7 @@ def test_bf16_kernel_refuses_inputs_it_cannot_read(built_bf16: None) -> None:
 def test_a_bfloat16_linear_sends_more_rows_to_the_bf16_kernel_on_two_threads_than_on_one(
     built: None, built_bf16: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not linear_module.bf16_kernel_applies(torch.bfloat16):
+    if not linear_module.bf16_kernel_applies(torch.bfloat16):  # AMX: the float32 kernel's test above covers it
         pytest.skip("this CPU has AMX: oneDNN's products run on its tile unit, and the float32 kernel takes 1-3 rows")
     weight = random_blocks("q4_1", 64, 128, seed=6)
     layer = Linear(dequantize(weight).bfloat16(), None, pack=linear_module.onednn_packing_available(
