@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.cpu_share import CoreLease
-from services.late_gaps import LateGapLedger, PromptPauses
+from services.late_gaps import LateGapLedger, PromptPauses, WholePromptSteps
 from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
 from shared.model.loader import load_model
@@ -65,9 +65,10 @@ class EngineThread:
         self._layer = 0  # the next decoder layer of the step in progress
         self._pacer: StepPacer | None = None
         self._pauses: PromptPauses | None = None
+        self._whole_prompts: WholePromptSteps | None = None
         self._held: dict[str, int] = {}  # the engine's requests after the last call, with their sure output tokens
         self.lent_s = 0.0  # seconds the engine lent its cores to a neighbour while it had work (pacing)
-        self.num_pauses = 0  # pauses the late-gap allowance bought a neighbour
+        self.num_pauses = 0  # pauses the late-gap allowance bought a neighbour, or steps a held-back prompt
 
     @property
     def engine(self) -> Engine:
@@ -127,6 +128,12 @@ class EngineThread:
         if percentile < 100 and max_pause_s > 0:
             self._pauses = PromptPauses(LateGapLedger(itl_target_s, percentile), pause_after_s, max_pause_s)
         return True
+
+    def stall_for_prompts(self, itl_target_s: float, percentile: int, after_s: float) -> None:
+        """Let a prompt that the engine's step budget holds back beside running decodes take a whole
+        step, where each stream can take one more late gap within its `percentile` of gaps, at once
+        or, leaving none spare, once the prompt has waited `after_s` (services/late_gaps.py)."""
+        self._whole_prompts = WholePromptSteps(itl_target_s, percentile, after_s)
 
     @property
     def paced_steps(self) -> tuple[int, int]:
@@ -230,7 +237,7 @@ class EngineThread:
             self._lease.before_step()
         started, num_steps = self._clock(), self.engine.num_steps
         self._layer = 0
-        outputs = self.engine.step()
+        outputs = self.engine.step(stall_decodes=True) if self._stalls_for_a_prompt() else self.engine.step()
         self._stepped_at = self._clock()
         if self.engine.num_steps != num_steps:
             self.busy_s += self._stepped_at - started
@@ -238,9 +245,24 @@ class EngineThread:
                 self._pacer.stepped(self._stepped_at)
             if self._pauses is not None:
                 self._pauses.stepped(self._stepped_at, outputs)
+            if self._whole_prompts is not None:
+                self._whole_prompts.ledger.stepped(self._stepped_at, outputs)
         if then is not None and outputs:
             then(outputs)
         return outputs
+
+    def _stalls_for_a_prompt(self) -> bool:
+        whole_prompts = self._whole_prompts
+        if whole_prompts is None:
+            return False
+        prompt = self.engine.prompt_held_back()
+        if prompt is None:
+            return False
+        # Request.arrived_s is on time.monotonic, whatever clock this thread was given
+        if not whole_prompts.due(time.monotonic() - prompt.arrived_s, self.engine.unfinished_sure_tokens()):
+            return False
+        self.num_pauses += 1
+        return True
 
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         start = self._clock()

@@ -1,4 +1,5 @@
-"""Which streams a decode worker may pause once, for a prompt beside it, and still keep their target.
+"""Which streams a decode worker may pause once, for a prompt beside it, and still keep their target
+(and, the same way, when a colocated engine may stall its streams for one of its own prompts).
 
 Where the inter-token target is a percentile of each request's gaps (`targets.itl_percentile`
 below 100, e.g. DistServe's p90) rather than a bound on every gap, a stream of 96 tokens meets a
@@ -46,8 +47,8 @@ PLANNED_RESERVE = 1
 @dataclass(slots=True)
 class _Stream:
     token_at: float
-    gaps: int = 1  # the unseen first gap, from the prefill worker's token to this worker's first
-    late: int = 1  # ... counted late
+    gaps: int  # with the unseen first gap, from the prefill worker's token to this worker's first, if any
+    late: int  # ... counted late
     unplanned: int = 0  # late gaps no pause caused
     paused: bool = False  # its next gap is a pause's
 
@@ -65,21 +66,26 @@ def late_gaps_allowed(num_gaps: int, percentile: int) -> int:
 
 class LateGapLedger:
     """Tokens in (`tokens`, from each step's outputs), whether every stream affords one more late
-    gap out (`affords_a_pause`)."""
+    gap out (`affords_a_pause`). `first_token_seen`: a stream's first token is this engine's own (a
+    colocated one), so it has no gap before it; else it follows one this ledger did not see."""
 
-    def __init__(self, itl_target_s: float, percentile: int) -> None:
+    def __init__(self, itl_target_s: float, percentile: int, first_token_seen: bool = False) -> None:
         if not 0 < percentile <= 100:
             raise ValueError(f"the inter-token percentile must be in (0, 100], got {percentile}")
         self.itl_target_s = itl_target_s
         self.percentile = percentile
+        self._unseen_gaps = 0 if first_token_seen else 1
         self._streams: dict[str, _Stream] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._streams
 
     def tokens(self, now: float, req_ids: Iterable[str], finished: Iterable[str] = ()) -> None:
         """A step gave each of `req_ids` a token at `now`; `finished` ones are done."""
         for req_id in req_ids:
             stream = self._streams.get(req_id)
             if stream is None:
-                self._streams[req_id] = _Stream(now)
+                self._streams[req_id] = _Stream(now, gaps=self._unseen_gaps, late=self._unseen_gaps)
                 continue
             late = now - stream.token_at > self.itl_target_s
             stream.late += late
@@ -88,6 +94,10 @@ class LateGapLedger:
             stream.token_at, stream.paused = now, False
         for req_id in finished:
             self._streams.pop(req_id, None)
+
+    def stepped(self, now: float, outputs: Sequence[RequestOutput]) -> None:
+        """A step's outputs, at `now`."""
+        self.tokens(now, (o.req_id for o in outputs), (o.req_id for o in outputs if o.is_finished))
 
     def pausing(self, req_ids: Iterable[str]) -> None:
         """The streams `req_ids` are paused now: their next gap is the pause's."""
@@ -122,6 +132,12 @@ class LateGapLedger:
         return stream.late + 1 + kept <= self._late_gaps_allowed(stream.gaps + 1, sure_tokens, stream.unplanned)
 
 
+def kept_after(waited_s: float, after_s: float) -> int:
+    """The late gaps each stream must still afford after a pause for a prompt that has kept the
+    cores busy `waited_s`: none once that reaches `after_s`, else KEPT_FOR_LONG_PROMPTS."""
+    return 0 if waited_s >= after_s else KEPT_FOR_LONG_PROMPTS
+
+
 class PromptPauses:
     """When a paced decode worker pauses its streams for a neighbour's prompt: at once where every
     stream affords a late gap and KEPT_FOR_LONG_PROMPTS more; else once the neighbour has been busy
@@ -141,7 +157,7 @@ class PromptPauses:
 
     def stepped(self, now: float, outputs: Sequence[RequestOutput]) -> None:
         """A step's tokens, for the ledger."""
-        self.ledger.tokens(now, (o.req_id for o in outputs), (o.req_id for o in outputs if o.is_finished))
+        self.ledger.stepped(now, outputs)
 
     def neighbour(self, now: float, has_work: bool) -> None:
         """What the worker saw of its neighbour at `now`, as often as it looks (before each step)."""
@@ -155,10 +171,32 @@ class PromptPauses:
         busy_since = self._busy_since
         if busy_since is None:
             return False
-        kept = 0 if now - busy_since >= self.after_s else KEPT_FOR_LONG_PROMPTS
-        return self.ledger.affords_a_pause(held, kept)
+        return self.ledger.affords_a_pause(held, kept_after(now - busy_since, self.after_s))
 
     def goes_on(self, held: Mapping[str, int], paused: Set[str]) -> bool:
         """Whether a pause of the streams `paused` goes on now that the engine holds `held`: the
         streams committed since must each afford it as their first gap."""
         return all(self.ledger.stream_affords_a_pause(r, sure) for r, sure in held.items() if r not in paused)
+
+
+class WholePromptSteps:
+    """When a colocated engine lets the prompt its step budget holds back take a whole step beside
+    the streams (`Engine.step(stall_decodes=True)`): on the same rule as a decode worker's pauses,
+    `after_s` counted from the prompt's arrival. The streams get their next token at that step's
+    end, one late gap each, where the chunks the budget allows would give them none and the
+    prompt its first token a step per chunk later. Unlike a pause, the streams' tokens ride in the
+    prompt's step, so they cost little more than the prompt alone."""
+
+    def __init__(self, itl_target_s: float, percentile: int, after_s: float) -> None:
+        self.ledger = LateGapLedger(itl_target_s, percentile, first_token_seen=True)
+        self.after_s = after_s
+
+    def due(self, waited_s: float, held: Mapping[str, int]) -> Set[str]:
+        """The streams to stall for a held-back prompt that has waited `waited_s`, of those the
+        engine holds (`held`: each request's sure output tokens, 0 where unknown); empty: not now.
+        Only requests with a token count as streams: the others are prompts still."""
+        streams = {req_id: sure for req_id, sure in held.items() if req_id in self.ledger}
+        if not streams or not self.ledger.affords_a_pause(streams, kept_after(waited_s, self.after_s)):
+            return frozenset()
+        self.ledger.pausing(streams)
+        return streams.keys()

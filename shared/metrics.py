@@ -81,7 +81,8 @@ class WorkerMetrics:
         )
         self.stream_pauses = counter(
             "llmd_stream_pauses", "Times a paced decode worker paused its streams to give a long prompt beside it "
-            "every core, each stream taking one late gap within LLMD_TARGETS__ITL_PERCENTILE."
+            "every core, or a colocated worker let such a prompt take a whole step beside them, each stream taking "
+            "one late gap within LLMD_TARGETS__ITL_PERCENTILE."
         )
         self.paced_steps = counter(
             "llmd_paced_steps", "Steps a paced decode worker planned, lending its cores until the step was due."

@@ -274,10 +274,13 @@ class Engine:
         return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
                 for req in reqs}  # fmt: skip
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stall_decodes: bool = False) -> list[RequestOutput]:
+        """One step. `stall_decodes`: prompts take the scheduler's whole token budget even beside running
+        decodes, the step budget notwithstanding; for a caller that has judged the streams can take
+        the one long gap this makes (services/late_gaps.py)."""
         started = time.perf_counter()
         with record_function(PHASE_SCHEDULE):
-            plan = self.scheduler.schedule(self._prompt_token_cap())
+            plan = self.scheduler.schedule(None if stall_decodes else self._prompt_token_cap())
         if plan.is_empty:
             return []
         self.step_plan = plan
@@ -294,6 +297,15 @@ class Engine:
                         for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
             self.step_budget.observe(plan.num_tokens, pairs, time.perf_counter() - started)
         return [self._output(req) for req in sampled]
+
+    def prompt_held_back(self) -> Request | None:
+        """The prompt the next step serves first where the step budget, beside running decodes, lets it
+        take fewer tokens than it has left (None where nothing holds a prompt back)."""
+        cap = self._prompt_token_cap()
+        if cap is None:
+            return None
+        prompt = self.scheduler.next_prompt()
+        return prompt if prompt is not None and prompt.num_tokens - prompt.num_computed_tokens > cap else None
 
     def _prompt_token_cap(self) -> int | None:
         """The prompt tokens this step may take: capped only while requests decode (`StepBudget`)."""

@@ -129,3 +129,25 @@ def test_an_engine_chunks_a_prompt_beside_decodes_only_under_a_target(loaded_mod
     chunks = chunks_beside_a_decode(loaded_model, step_target_ms=1.0)
     assert sum(chunks) == 400 and len(chunks) > 1
     assert all(chunk in (MIN_PROMPT_TOKENS, PROBE_PROMPT_TOKENS) for chunk in chunks[:-1])
+
+
+def test_a_prompt_held_back_beside_decodes_is_named_and_takes_one_step_when_the_decodes_may_stall(
+    loaded_model: LoadedModel,
+) -> None:
+    engine = Engine(EngineSettings(
+        model=ModelSettings(dtype="float32", device="cpu"), kv_cache=KVCacheSettings(memory_bytes=64 * 2**20),
+        step_target_ms=1.0,
+    ), loaded_model)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoding", list(range(100, 140)), params)
+    assert engine.prompt_held_back() is None  # with nothing decoding beside it, a prompt takes the whole budget
+    engine.step()
+    assert engine.prompt_held_back() is None  # no prompt waits
+    engine.add_request("long", list(range(1000, 1400)), SamplingParams(max_tokens=1, temperature=0.0))
+    long = engine._requests["long"]
+    assert engine.prompt_held_back() is long
+    engine.step()  # a chunk
+    assert 0 < long.num_computed_tokens < 400 and engine.prompt_held_back() is long
+    outputs = engine.step(stall_decodes=True)
+    assert {out.req_id for out in outputs} == {"decoding", "long"} and long.is_finished
+    assert engine.prompt_held_back() is None

@@ -11,6 +11,7 @@ from services.late_gaps import (
     PLANNED_RESERVE,
     LateGapLedger,
     PromptPauses,
+    WholePromptSteps,
     late_gaps_allowed,
 )
 
@@ -184,3 +185,32 @@ def test_a_pause_goes_on_for_a_request_committed_meanwhile_only_where_it_can_be_
     assert pauses.goes_on({"a": 0, "b": 96}, paused)  # its first gap counts as late already
     assert not pauses.goes_on({"a": 0, "b": 96, "c": 0}, paused)  # may end at any token: none to spare
     assert not pauses.goes_on({"a": 0, "c": 10}, paused)  # 9 gaps: none may be late
+
+
+def test_a_colocated_stream_has_no_gap_before_its_first_token() -> None:
+    ledger = LateGapLedger(TARGET_S, 90, first_token_seen=True)
+    now = step(ledger, 0.0, "a")
+    tokens = 1
+    while not ledger.affords_a_pause(unknown("a")):
+        now = step(ledger, now, "a")
+        tokens += 1
+    # 10 gaps, all on time, and the pause's: 1 late of 11 keeps the p90 on time (20 tokens above)
+    assert tokens == 11
+
+
+def test_a_whole_prompt_step_stalls_only_streams_and_keeps_a_late_gap_for_a_prompt_that_has_not_waited() -> None:
+    after_s = 0.3
+    whole = WholePromptSteps(TARGET_S, 90, after_s)
+    now = 0.0
+    for _ in range(11):  # affords one late gap, none to keep (as above)
+        now = step(whole.ledger, now, "a")
+    held = {"a": 0, "prompt": 0}  # "prompt" has no token yet: not a stream
+    assert not whole.due(0.0, held)  # a prompt just come: the late gap is kept for one that waits
+    assert whole.due(after_s, held) == {"a"}
+    now += 2.0
+    whole.ledger.tokens(now, ["a"])  # the stall's gap: late, planned
+    assert not whole.due(after_s, held)
+    for _ in range(10):
+        now = step(whole.ledger, now, "a")
+    assert whole.due(after_s, held) == {"a"}  # 21 gaps, 1 late: this one's makes 2 of 22
+    assert not whole.due(after_s, {"prompt": 0})  # no stream to stall for
