@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-pacing", action="store_true",
                         help="this stack's decode worker steps as fast as it can (LLMD_WORKER__PACE_DECODE=false)")
     parser.add_argument("--pauses", action="store_true",
-                        help="this stack's decode worker spends the late gaps that the p90 measure allows on pausing "
-                        "its streams for a long prompt beside it (LLMD_TARGETS__ITL_PERCENTILE=90)")
+                        help="this stack spends the late gaps that the p90 measure allows on a long prompt: its decode "
+                        "worker pauses its streams for one beside it, its colocated engine lets one take a whole step "
+                        "(LLMD_TARGETS__ITL_PERCENTILE=90)")
     parser.add_argument("--calibration-requests", type=int, default=3)
     parser.add_argument("--warmup-requests", type=int, default=32,
                         help="untimed requests of the mix's shapes each server answers, 8 at a time, before its sweep")
