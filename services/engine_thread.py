@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 import torch
 
 from services.cpu_share import CoreLease
-from services.late_gaps import LateGapLedger, PromptPauses, WholePromptSteps
+from services.late_gaps import PAUSE_AFTER_TTFT_SHARE, LateGapLedger, PromptPauses, WholePromptSteps
 from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
 from shared.model.loader import load_model
-from shared.settings import WorkerServiceSettings
+from shared.settings import LatencyTargetSettings, WorkerServiceSettings
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class EngineThread:
         self.after_layer: Callable[[Engine, int], None] | None = None
         self._layer = 0  # the next decoder layer of the step in progress
         self._pacer: StepPacer | None = None
+        # one count of each stream's late gaps, whatever spends them: pauses for a neighbour's prompts,
+        # whole steps for the engine's own
+        self._ledger: LateGapLedger | None = None
         self._pauses: PromptPauses | None = None
         self._whole_prompts: WholePromptSteps | None = None
         self._held: dict[str, int] = {}  # the engine's requests after the last call, with their sure output tokens
@@ -126,14 +129,32 @@ class EngineThread:
             return False
         self._pacer = StepPacer(itl_target_s)
         if percentile < 100 and max_pause_s > 0:
-            self._pauses = PromptPauses(LateGapLedger(itl_target_s, percentile), pause_after_s, max_pause_s)
+            ledger = self._late_gap_ledger(itl_target_s, percentile, first_token_seen=False)
+            self._pauses = PromptPauses(ledger, pause_after_s, max_pause_s)
         return True
 
-    def stall_for_prompts(self, itl_target_s: float, percentile: int, after_s: float) -> None:
-        """Let a prompt that the engine's step budget holds back beside running decodes take a whole
-        step, where each stream can take one more late gap within its `percentile` of gaps, at once
-        or, leaving none spare, once the prompt has waited `after_s` (services/late_gaps.py)."""
-        self._whole_prompts = WholePromptSteps(itl_target_s, percentile, after_s)
+    def stall_for_prompts(self, targets: LatencyTargetSettings, first_token_seen: bool) -> bool:
+        """Under a percentile inter-token target, let a prompt that the engine's step budget holds back
+        beside running decodes take a whole step where each stream can take one more late gap, at
+        once or, leaving none spare, once the prompt has waited PAUSE_AFTER_TTFT_SHARE of the TTFT
+        target (services/late_gaps.py); False where the target holds every gap or the engine's steps
+        are not fitted to it. `first_token_seen`: every stream's first token is this engine's
+        (colocated), so no gap before it goes unseen."""
+        if targets.itl_percentile == 100 or self.engine.step_budget is None:
+            return False
+        after_s = PAUSE_AFTER_TTFT_SHARE * targets.ttft_ms / 1000
+        ledger = self._late_gap_ledger(targets.itl_ms / 1000, targets.itl_percentile, first_token_seen)
+        self._whole_prompts = WholePromptSteps(ledger, after_s)
+        logger.info("a prompt that the inter-token target would cut into chunks beside the streams takes a whole "
+                    "step, at once or after %g ms, where %d%% of each one's gaps still meet the target "
+                    "(LLMD_TARGETS__ITL_PERCENTILE)", 1000 * after_s, targets.itl_percentile)
+        return True
+
+    def _late_gap_ledger(self, itl_target_s: float, percentile: int, first_token_seen: bool) -> LateGapLedger:
+        """The engine's one ledger, made by the first caller."""
+        if self._ledger is None:
+            self._ledger = LateGapLedger(itl_target_s, percentile, first_token_seen)
+        return self._ledger
 
     @property
     def paced_steps(self) -> tuple[int, int]:
@@ -243,10 +264,8 @@ class EngineThread:
             self.busy_s += self._stepped_at - started
             if self._pacer is not None:
                 self._pacer.stepped(self._stepped_at)
-            if self._pauses is not None:
-                self._pauses.stepped(self._stepped_at, outputs)
-            if self._whole_prompts is not None:
-                self._whole_prompts.ledger.stepped(self._stepped_at, outputs)
+            if self._ledger is not None:
+                self._ledger.stepped(self._stepped_at, outputs)
         if then is not None and outputs:
             then(outputs)
         return outputs
@@ -259,7 +278,7 @@ class EngineThread:
         if prompt is None:
             return False
         # Request.arrived_s is on time.monotonic, whatever clock this thread was given
-        if not whole_prompts.due(time.monotonic() - prompt.arrived_s, self.engine.unfinished_sure_tokens()):
+        if not whole_prompts.due(time.monotonic() - prompt.arrived_s, self.engine.streams_sure_tokens()):
             return False
         self.num_pauses += 1
         return True

@@ -77,9 +77,6 @@ class LateGapLedger:
         self._unseen_gaps = 0 if first_token_seen else 1
         self._streams: dict[str, _Stream] = {}
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._streams
-
     def tokens(self, now: float, req_ids: Iterable[str], finished: Iterable[str] = ()) -> None:
         """A step gave each of `req_ids` a token at `now`; `finished` ones are done."""
         for req_id in req_ids:
@@ -155,10 +152,6 @@ class PromptPauses:
         """A pause of the streams `paused` starts now."""
         self.ledger.pausing(paused)
 
-    def stepped(self, now: float, outputs: Sequence[RequestOutput]) -> None:
-        """A step's tokens, for the ledger."""
-        self.ledger.stepped(now, outputs)
-
     def neighbour(self, now: float, has_work: bool) -> None:
         """What the worker saw of its neighbour at `now`, as often as it looks (before each step)."""
         if not has_work:
@@ -180,23 +173,23 @@ class PromptPauses:
 
 
 class WholePromptSteps:
-    """When a colocated engine lets the prompt its step budget holds back take a whole step beside
-    the streams (`Engine.step(stall_decodes=True)`): on the same rule as a decode worker's pauses,
+    """When an engine that prefills beside its own decodes (a colocated worker, or a decode worker
+    prefilling a follow-up turn) lets the prompt its step budget holds back take a whole step
+    (`Engine.step(stall_decodes=True)`): on the same rule and ledger as a decode worker's pauses,
     `after_s` counted from the prompt's arrival. The streams get their next token at that step's
     end, one late gap each, where the chunks the budget allows would give them none and the
     prompt its first token a step per chunk later. Unlike a pause, the streams' tokens ride in the
     prompt's step, so they cost little more than the prompt alone."""
 
-    def __init__(self, itl_target_s: float, percentile: int, after_s: float) -> None:
-        self.ledger = LateGapLedger(itl_target_s, percentile, first_token_seen=True)
+    def __init__(self, ledger: LateGapLedger, after_s: float) -> None:
+        self.ledger = ledger
         self.after_s = after_s
 
-    def due(self, waited_s: float, held: Mapping[str, int]) -> Set[str]:
-        """The streams to stall for a held-back prompt that has waited `waited_s`, of those the
-        engine holds (`held`: each request's sure output tokens, 0 where unknown); empty: not now.
-        Only requests with a token count as streams: the others are prompts still."""
-        streams = {req_id: sure for req_id, sure in held.items() if req_id in self.ledger}
-        if not streams or not self.ledger.affords_a_pause(streams, kept_after(waited_s, self.after_s)):
-            return frozenset()
+    def due(self, waited_s: float, streams: Mapping[str, int]) -> bool:
+        """Whether to stall `streams` (the requests with a first token, each with its sure output
+        tokens, 0 where unknown) for a held-back prompt that has waited `waited_s`; if so, the
+        ledger counts their next gaps as the stall's."""
+        if not self.ledger.affords_a_pause(streams, kept_after(waited_s, self.after_s)):
+            return False
         self.ledger.pausing(streams)
-        return streams.keys()
+        return True

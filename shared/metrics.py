@@ -81,7 +81,7 @@ class WorkerMetrics:
         )
         self.stream_pauses = counter(
             "llmd_stream_pauses", "Times a paced decode worker paused its streams to give a long prompt beside it "
-            "every core, or a colocated worker let such a prompt take a whole step beside them, each stream taking "
+            "every core, or an engine let a prompt of its own take a whole step beside them, each stream taking "
             "one late gap within LLMD_TARGETS__ITL_PERCENTILE."
         )
         self.paced_steps = counter(

@@ -21,7 +21,6 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from services.late_gaps import PAUSE_AFTER_TTFT_SHARE
 from services.prefill.tracked import Tracked
 from services.prefill.worker import PrefillWorker
 from services.token_stream import Active, TokenStream
@@ -44,14 +43,7 @@ class ColocatedWorker(PrefillWorker):
 
     def engine_loaded(self) -> None:
         super().engine_loaded()
-        targets = self.settings.targets
-        if targets.itl_percentile == 100 or self.engine.engine.step_budget is None:
-            return
-        after_s = PAUSE_AFTER_TTFT_SHARE * targets.ttft_ms / 1000
-        self.engine.stall_for_prompts(targets.itl_ms / 1000, targets.itl_percentile, after_s)
-        logger.info("a prompt that the inter-token target would cut into chunks takes a whole step beside the "
-                    "streams, at once or after %g ms, where %d%% of each one's gaps still meet the target "
-                    "(LLMD_TARGETS__ITL_PERCENTILE)", 1000 * after_s, targets.itl_percentile)
+        self.engine.stall_for_prompts(self.settings.targets, first_token_seen=True)
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
         return [*super().serve_tasks(), self.tokens.send_loop()]

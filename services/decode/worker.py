@@ -124,6 +124,11 @@ class DecodeWorker(Worker):
         self.kv.listen(self._is_kv_peer, self._claim_kv, self._kv_settled)
 
     def engine_loaded(self) -> None:
+        self._pace()
+        # after the pacing, whose ledger of late gaps it then shares: for follow-up turns prefilled here
+        self.engine.stall_for_prompts(self.settings.targets, first_token_seen=False)
+
+    def _pace(self) -> None:
         targets = self.settings.targets
         ttft_target_s = targets.ttft_ms / 1000
         # a pause as long as a first token may take, and never so long that it reads as a stuck engine

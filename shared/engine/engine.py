@@ -274,6 +274,12 @@ class Engine:
         return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
                 for req in reqs}  # fmt: skip
 
+    def streams_sure_tokens(self) -> dict[str, int]:
+        """The requests that have a first token (whether this engine sampled it or it came with a
+        handoff), each with `Request.num_sure_output_tokens`: the streams a long step delays."""
+        return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
+                for req in reqs if req.num_output_tokens}  # fmt: skip
+
     def step(self, stall_decodes: bool = False) -> list[RequestOutput]:
         """One step. `stall_decodes`: prompts take the scheduler's whole token budget even beside running
         decodes, the step budget notwithstanding; for a caller that has judged the streams can take

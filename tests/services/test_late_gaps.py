@@ -198,19 +198,18 @@ def test_a_colocated_stream_has_no_gap_before_its_first_token() -> None:
     assert tokens == 11
 
 
-def test_a_whole_prompt_step_stalls_only_streams_and_keeps_a_late_gap_for_a_prompt_that_has_not_waited() -> None:
+def test_a_whole_prompt_step_keeps_a_late_gap_for_a_prompt_that_has_not_waited() -> None:
     after_s = 0.3
-    whole = WholePromptSteps(TARGET_S, 90, after_s)
+    whole = WholePromptSteps(LateGapLedger(TARGET_S, 90, first_token_seen=True), after_s)
     now = 0.0
     for _ in range(11):  # affords one late gap, none to keep (as above)
         now = step(whole.ledger, now, "a")
-    held = {"a": 0, "prompt": 0}  # "prompt" has no token yet: not a stream
-    assert not whole.due(0.0, held)  # a prompt just come: the late gap is kept for one that waits
-    assert whole.due(after_s, held) == {"a"}
+    assert not whole.due(0.0, unknown("a"))  # a prompt just come: the late gap is kept for one that waits
+    assert whole.due(after_s, unknown("a"))
     now += 2.0
     whole.ledger.tokens(now, ["a"])  # the stall's gap: late, planned
-    assert not whole.due(after_s, held)
+    assert not whole.due(after_s, unknown("a"))
     for _ in range(10):
         now = step(whole.ledger, now, "a")
-    assert whole.due(after_s, held) == {"a"}  # 21 gaps, 1 late: this one's makes 2 of 22
-    assert not whole.due(after_s, {"prompt": 0})  # no stream to stall for
+    assert whole.due(after_s, unknown("a"))  # 21 gaps, 1 late: this one's makes 2 of 22
+    assert not whole.due(after_s, {})  # no stream to stall for

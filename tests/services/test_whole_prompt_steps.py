@@ -9,17 +9,19 @@ import asyncio
 from services.engine_thread import EngineThread
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
+from tests.services.test_cpu_share import Host, host  # noqa: F401 (a fixture)
 
-ITL_TARGET_S = 1.0
-ON_TIME_S = 0.95
+ON_TIME_S = 0.0005  # on the test's clock: within the 1 ms target
 PROMPT = list(range(1000, 1100))  # 100 tokens: more than a step beside decodes may take under a 1 ms target
 
 
 def settings(model_path: str) -> WorkerServiceSettings:
-    # a 1 ms step target: beside a decode no prompt fits, so the budget gives it the least chunk
+    # a 1 ms inter-token target: beside a decode no prompt fits in a step, so the budget gives it the
+    # least chunk; a TTFT target so short that any prompt has waited long enough to spend the last late gap
     return WorkerServiceSettings.model_validate({
         "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
-        "worker": {"elastic_threads": False}, "targets": {"itl_ms": 1.0},
+        "worker": {"elastic_threads": False},
+        "targets": {"itl_ms": 1.0, "itl_percentile": 90, "ttft_ms": 1e-6},
     })  # fmt: skip
 
 
@@ -29,8 +31,7 @@ def test_a_held_back_prompt_takes_a_whole_step_only_where_every_stream_can_take_
     async def run() -> None:
         thread = EngineThread(clock=lambda: now[0])
         engine = await thread.load(settings(model_path))
-        # waited_s is measured on the real clock: after_s 0 lets a prompt spend the streams' last late gap
-        thread.stall_for_prompts(ITL_TARGET_S, percentile=90, after_s=0.0)
+        assert thread.stall_for_prompts(settings(model_path).targets, first_token_seen=True)
 
         async def step() -> list[str]:
             now[0] += ON_TIME_S
@@ -58,8 +59,40 @@ def test_a_held_back_prompt_takes_a_whole_step_only_where_every_stream_can_take_
         await thread.call(engine.add_request, "sure", [1, 2, 3, 4], sure)
         await step()  # its first token: no gap before it in a colocated engine
         assert await prefill_beside_the_streams("whole") == 1 and thread.num_pauses == 1
-        # the stall's gap was 0.95 s here, on time: the ledger counts what the stream saw, not the plan
+        # the stall's gap was on time on this clock: the ledger counts what the stream saw, not the plan
         assert await prefill_beside_the_streams("whole again") == 1 and thread.num_pauses == 2
+        thread.shutdown()
+
+    asyncio.run(run())
+
+
+def test_whole_prompt_steps_need_a_percentile_target(model_path: str) -> None:
+    every_gap = settings(model_path).model_copy(deep=True)
+    every_gap.targets.itl_percentile = 100
+
+    async def run() -> None:
+        thread = EngineThread()
+        await thread.load(every_gap)
+        assert not thread.stall_for_prompts(every_gap.targets, first_token_seen=True)
+        thread.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_paced_decode_worker_spends_one_count_of_late_gaps_on_pauses_and_whole_steps(
+    host: Host, model_path: str
+) -> None:
+    paced = settings(model_path).model_copy(deep=True)
+    paced.worker.elastic_threads, paced.worker.core_lease_dir = True, str(host.directory)
+
+    async def run() -> None:
+        thread = EngineThread()
+        await thread.load(paced)
+        assert thread.pace_to(0.001, percentile=90, max_pause_s=1.0, pause_after_s=0.0)
+        assert thread.stall_for_prompts(paced.targets, first_token_seen=False)
+        # a late gap a stall takes is one a pause for a neighbour's prompt cannot, and the other way round
+        assert thread._pauses is not None and thread._whole_prompts is not None
+        assert thread._whole_prompts.ledger is thread._pauses.ledger
         thread.shutdown()
 
     asyncio.run(run())
