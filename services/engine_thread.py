@@ -18,6 +18,7 @@ from services.cpu_share import CoreLease
 from services.late_gaps import PAUSE_AFTER_TTFT_SHARE, LateGapLedger, PromptPauses, WholePromptSteps
 from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
+from shared.engine.request import Request
 from shared.model.loader import load_model
 from shared.settings import LatencyTargetSettings, WorkerServiceSettings
 
@@ -258,7 +259,7 @@ class EngineThread:
             self._lease.before_step()
         started, num_steps = self._clock(), self.engine.num_steps
         self._layer = 0
-        outputs = self.engine.step(stall_decodes=True) if self._stalls_for_a_prompt() else self.engine.step()
+        outputs = self.engine.step() if self._whole_prompts is None else self.engine.step(self._stalls_for)
         self._stepped_at = self._clock()
         if self.engine.num_steps != num_steps:
             self.busy_s += self._stepped_at - started
@@ -270,15 +271,12 @@ class EngineThread:
             then(outputs)
         return outputs
 
-    def _stalls_for_a_prompt(self) -> bool:
-        whole_prompts = self._whole_prompts
-        if whole_prompts is None:
-            return False
-        prompt = self.engine.prompt_held_back()
-        if prompt is None:
-            return False
+    def _stalls_for(self, prompt: Request) -> bool:
+        """Whether the step stalls the streams for `prompt`, which the step budget holds back."""
+        assert self._whole_prompts is not None
         # Request.arrived_s is on time.monotonic, whatever clock this thread was given
-        if not whole_prompts.due(time.monotonic() - prompt.arrived_s, self.engine.streams_sure_tokens()):
+        streams = self.engine.unfinished_sure_tokens(streams_only=True)
+        if not self._whole_prompts.due(time.monotonic() - prompt.arrived_s, streams):
             return False
         self.num_pauses += 1
         return True

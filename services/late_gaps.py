@@ -175,7 +175,7 @@ class PromptPauses:
 class WholePromptSteps:
     """When an engine that prefills beside its own decodes (a colocated worker, or a decode worker
     prefilling a follow-up turn) lets the prompt its step budget holds back take a whole step
-    (`Engine.step(stall_decodes=True)`): on the same rule and ledger as a decode worker's pauses,
+    (`Engine.step(stall_for=...)`): on the same rule and ledger as a decode worker's pauses,
     `after_s` counted from the prompt's arrival. The streams get their next token at that step's
     end, one late gap each, where the chunks the budget allows would give them none and the
     prompt its first token a step per chunk later. Unlike a pause, the streams' tokens ride in the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -269,24 +270,24 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def unfinished_sure_tokens(self) -> dict[str, int]:
-        """The requests the scheduler holds, running or waiting, each with `Request.num_sure_output_tokens`."""
+    def unfinished_sure_tokens(self, streams_only: bool = False) -> dict[str, int]:
+        """The requests the scheduler holds, running or waiting, each with `Request.num_sure_output_tokens`;
+        `streams_only`: only those with a first token (sampled here or come with a handoff), the
+        streams a long step delays."""
         return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
-                for req in reqs}  # fmt: skip
+                for req in reqs if req.num_output_tokens or not streams_only}  # fmt: skip
 
-    def streams_sure_tokens(self) -> dict[str, int]:
-        """The requests that have a first token (whether this engine sampled it or it came with a
-        handoff), each with `Request.num_sure_output_tokens`: the streams a long step delays."""
-        return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
-                for req in reqs if req.num_output_tokens}  # fmt: skip
-
-    def step(self, stall_decodes: bool = False) -> list[RequestOutput]:
-        """One step. `stall_decodes`: prompts take the scheduler's whole token budget even beside running
-        decodes, the step budget notwithstanding; for a caller that has judged the streams can take
-        the one long gap this makes (services/late_gaps.py)."""
+    def step(self, stall_for: Callable[[Request], bool] | None = None) -> list[RequestOutput]:
+        """One step. `stall_for(prompt)`, asked only where the step budget holds back the prompt the
+        step serves first: True lets prompts take the scheduler's whole token budget beside the
+        running decodes, for a caller that has judged the streams can take the one long gap this
+        makes (services/late_gaps.py)."""
         started = time.perf_counter()
         with record_function(PHASE_SCHEDULE):
-            plan = self.scheduler.schedule(None if stall_decodes else self._prompt_token_cap())
+            prompt, cap = self._capped_prompt()
+            if stall_for is not None and prompt is not None and stall_for(prompt):
+                cap = None
+            plan = self.scheduler.schedule(cap)
         if plan.is_empty:
             return []
         self.step_plan = plan
@@ -307,22 +308,20 @@ class Engine:
     def prompt_held_back(self) -> Request | None:
         """The prompt the next step serves first where the step budget, beside running decodes, lets it
         take fewer tokens than it has left (None where nothing holds a prompt back)."""
-        cap = self._prompt_token_cap()
-        if cap is None:
-            return None
-        prompt = self.scheduler.next_prompt()
-        return prompt if prompt is not None and prompt.num_tokens - prompt.num_computed_tokens > cap else None
+        return self._capped_prompt()[0]
 
-    def _prompt_token_cap(self) -> int | None:
-        """The prompt tokens this step may take: capped only while requests decode (`StepBudget`)."""
+    def _capped_prompt(self) -> tuple[Request | None, int | None]:
+        """The prompt tokens this step may take (None: no cap; capped only while requests decode, by
+        `StepBudget`), and the prompt the step serves first where the cap holds it back."""
         if self.step_budget is None:
-            return None
+            return None, None
         num_decoding = self.scheduler.num_decoding  # first: it is cheap, and finding the prompt may sort them all
         prompt = self.scheduler.next_prompt() if num_decoding else None
         if prompt is None:
-            return None
+            return None, None
         # a waiting prompt's cached prefix is not looked up here: its context counts as computed so far
-        return self.step_budget.prompt_tokens(num_decoding, prompt.num_computed_tokens)
+        cap = self.step_budget.prompt_tokens(num_decoding, prompt.num_computed_tokens)
+        return (prompt if prompt.num_tokens - prompt.num_computed_tokens > cap else None), cap
 
     def _output(self, req: Request) -> RequestOutput:
         wants_logprobs = req.params.logprobs is not None

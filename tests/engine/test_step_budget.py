@@ -148,6 +148,6 @@ def test_a_prompt_held_back_beside_decodes_is_named_and_takes_one_step_when_the_
     assert engine.prompt_held_back() is long
     engine.step()  # a chunk
     assert 0 < long.num_computed_tokens < 400 and engine.prompt_held_back() is long
-    outputs = engine.step(stall_decodes=True)
+    outputs = engine.step(stall_for=lambda prompt: prompt is long)
     assert {out.req_id for out in outputs} == {"decoding", "long"} and long.is_finished
     assert engine.prompt_held_back() is None
