@@ -5,7 +5,7 @@
 The weights are the ones this project's loader makes of the file (dequantised, in float32, so a
 server that runs bfloat16 rounds them exactly as the workers do); the config and the tokenizer
 are transformers' reading of the same file. The folder is cached beside the converted weights
-(`shared.disk_cache`), keyed on the file, so a second run costs nothing.
+(`kernels.disk_cache`), keyed on the file, so a second run costs nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from shared.disk_cache import build_folder, derived_folder
+from kernels.disk_cache import build_folder, derived_folder
 from shared.model.loader import load_model
 from shared.model.paths import resolve_model_path
 from shared.text.tokenizer import Tokenizer

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, default=1, help="this stack's decode workers")
     parser.add_argument("--decode-threads", type=int,
                         help="most torch threads of each decode worker (default: the machine's cores); the "
-                             "workers lend each other the cores they leave idle (services/cpu_share.py)")
+                             "workers lend each other the cores they leave idle (services/runtime/core_lease.py)")
     parser.add_argument("--prefill-threads", type=int,
                         help="torch threads of each prefill worker (default as for --decode-threads)")
     parser.add_argument("--vllm", type=Path, metavar="PYTHON",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from shared.disk_cache import cache_dir, one_builder
+from kernels.disk_cache import cache_dir, one_builder
 
 logger = logging.getLogger(__name__)
 

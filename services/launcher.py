@@ -6,7 +6,7 @@ process.
     python -m services.launcher --prefill 0 --decode 0 --colocated 1
 
 Every child gets LLMD_REDIS__URL and a unique LLMD_WORKER__WORKER_ID. Each worker may use every
-core (LLMD_TORCH_THREADS), and the workers lend each other idle ones (services/cpu_share.py); with
+core (LLMD_TORCH_THREADS), and the workers lend each other idle ones (services/runtime/core_lease.py); with
 LLMD_WORKER__ELASTIC_THREADS=false the cores are divided among the workers instead. Ctrl-C or
 SIGTERM stops everything: SIGTERM (workers drain), a grace period, then SIGKILL; the private
 Redis goes last. `Stack` is the same as a library, for tests and scripts, and can add and stop
@@ -55,7 +55,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.pool_planner.loop import PlannerThread
-from shared.disk_cache import cache_dir
+from kernels.disk_cache import cache_dir
 from shared.settings import (
     GatewaySettings,
     KVCacheDType,

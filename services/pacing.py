@@ -1,6 +1,6 @@
 """When a decode worker that shares its cores with a prefill worker must start its next step.
 
-On one host the two split the cores (services/cpu_share.py), and a decode step that starts as soon
+On one host the two split the cores (services/runtime/core_lease.py), and a decode step that starts as soon
 as the last one ended gives prompts only the cores decode leaves: on two cores, one. Yet a decode
 step takes a fraction of the inter-token target. So while a neighbour prefills, the decode worker
 lends it every core and starts its next step only when the next token is due: the last token's

@@ -167,7 +167,7 @@ def parse_cpu_list(text: str) -> set[int]:
 
 
 class KVEventSettings(BaseModel):
-    """A worker's reports of what its prefix cache holds, which gateways route by (services/kv_events.py)."""
+    """A worker's reports of what its prefix cache holds, which gateways route by (services/runtime/kv_events.py)."""
 
     enabled: bool = Field(True, description="publish KV events (blocks stored and evicted) and snapshots")
     stream_maxlen: int = Field(100_000, ge=100, description="the kv_events stream is trimmed to about this many")

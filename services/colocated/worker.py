@@ -23,8 +23,8 @@ from typing import Any
 
 from services.prefill.tracked import Tracked
 from services.prefill.worker import PrefillWorker
-from services.token_stream import Active, TokenStream
-from services.worker_base import Ack
+from services.runtime.token_stream import Active, TokenStream
+from services.runtime.worker import Ack
 from shared.engine.engine import RequestOutput
 from shared.protocol import GenerateRequest
 from shared.settings import WorkerServiceSettings

@@ -13,22 +13,20 @@ the request after the tokens it streamed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from services.intake import add_to_engine, finish_early, refusal
+from services.runtime.intake import add_to_engine, finish_early, refusal
 from services.prefill.tracked import entry_time
-from services.token_stream import Active
-from services.worker_base import Ack
+from services.runtime.token_stream import Active, TokenStream
+from services.runtime.worker import Ack
 from shared.engine.engine import RequestOutput
 from shared.protocol import GenerateRequest, Message
 from shared.streams import PREFILL_GROUP
-
-if TYPE_CHECKING:
-    from services.decode.worker import DecodeWorker
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +41,34 @@ class Unacked:
     entry_id: bytes
 
 
+class DecodeHost(Protocol):
+    """What local prefill needs of the decode worker: any worker's runtime (`Worker`) and the decode
+    worker's token stream, tally and view of the requests it holds. A protocol, so that this module
+    does not import the worker that imports it."""
+
+    bus: Any
+    keys: Any
+    worker_id: str
+    metrics: Any
+    draining: bool
+    stopping: asyncio.Event
+    unhandled: dict[str, set[bytes]]
+    tokens: TokenStream
+    tally: Any
+
+    def consume(self, *args: Any) -> Coroutine[Any, Any, None]: ...
+
+    async def ack(self, stream: str, group: str, entry_id: bytes) -> None: ...
+
+    def wake_engine(self) -> None: ...
+
+    def known_attempt(self, req_id: str) -> int | None: ...
+
+    async def abort(self, req_id: str, reason: str) -> None: ...
+
+
 class LocalPrefill:
-    def __init__(self, worker: DecodeWorker) -> None:
+    def __init__(self, worker: DecodeHost) -> None:
         self._worker = worker
         self.stream = worker.keys.routed_requests(worker.worker_id)
         self._unacked: dict[str, Unacked] = {}

@@ -33,8 +33,8 @@ from services.decode.reservation import Reservation
 from services.kv_transfer import KVTransferError, TransferHeader
 from services.kv_transfer.base import num_bytes
 from services.late_gaps import PAUSE_AFTER_TTFT_SHARE
-from services.token_stream import Active, TokenStream
-from services.worker_base import Worker
+from services.runtime.token_stream import Active, TokenStream
+from services.runtime.worker import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
 from shared.engine.request import ReqId
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError

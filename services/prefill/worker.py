@@ -31,13 +31,13 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from services.intake import add_to_engine, finish_early, refusal
+from services.runtime.intake import add_to_engine, finish_early, refusal
 from services.kv_transfer import TCP_SCHEME, KVPeer, KVSource, KVTransferError
 from services.kv_transfer.tcp_layers import LayerStreams
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
 from services.prefill.tracked import MIB, Tally, Tracked, entry_time
-from services.worker_base import Worker, token_update
+from services.runtime.worker import Worker, token_update
 from shared.engine.engine import RequestOutput
 from shared.protocol import (
     Cancel,

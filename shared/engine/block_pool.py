@@ -7,7 +7,7 @@ A block is in exactly one of three states:
 The free queue is ordered by eviction priority: allocation takes from its front.
 
 Every change of the cached set (a hash stored, a hash evicted) goes to `on_event`, in order, so
-that a router elsewhere can mirror which prefixes this pool holds (services/kv_events.py).
+that a router elsewhere can mirror which prefixes this pool holds (services/runtime/kv_events.py).
 """
 
 from __future__ import annotations

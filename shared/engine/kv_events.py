@@ -1,7 +1,7 @@
 """The block pool's stored/evicted hashes, collected between drains, for whoever mirrors the cache.
 
 No I/O here: a worker drains the log after each engine call and publishes what it got
-(services/kv_events.py). Within one drain only each hash's last change matters: a hash evicted
+(services/runtime/kv_events.py). Within one drain only each hash's last change matters: a hash evicted
 and stored again is stored.
 """
 

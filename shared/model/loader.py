@@ -9,7 +9,7 @@ Q4_1 and Q8_0 matrices are also kept as they are in the file, under the same nam
 Reading a GGUF is slow in Python (SmolLM2's: 5.6 s, most of it the gguf reader walking the
 header's 49k-token vocabulary field by field, the rest dequantising), and every worker did it
 on start. So the first load of a file also writes its result to the disk cache
-(`shared.disk_cache`, `models/<name>-<key>/weights-v2/`: safetensors and the config as JSON), and
+(`kernels.disk_cache`, `models/<name>-<key>/weights-v2/`: safetensors and the config as JSON), and
 later loads of the same unchanged file read that instead, in about a second.
 """
 
@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kernels.quantized_linear import QuantizedWeight
-from shared.disk_cache import derived_folder, load_or_build
+from kernels.disk_cache import derived_folder, load_or_build
 from shared.model.config import ModelConfig
 from shared.model.paths import ModelNotFoundError, resolve_model_path
 

@@ -117,7 +117,7 @@ class ModelRunner:
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInput:
         # Built in numpy, then one tensor per input: every torch call lets go of the GIL, and the
         # engine thread may wait for the event loop to hand it back after each (see
-        # services/engine_thread.py); on an H200 building a decode step's inputs took most of the
+        # services/runtime/engine_thread.py); on an H200 building a decode step's inputs took most of the
         # engine thread's time when it was a dozen torch calls plus one per request.
         num_reqs = len(batch.reqs)
         token_ids: list[int] = []

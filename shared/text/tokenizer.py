@@ -6,7 +6,7 @@ while encode/decode run on a private copy of its Rust `tokenizers` backend, whic
 reference calls underneath minus the Python overhead.
 
 Converting a GGUF's vocabulary takes transformers about 8 s for SmolLM2, on every gateway
-start; the converted tokenizer is saved to the disk cache (`shared.disk_cache`,
+start; the converted tokenizer is saved to the disk cache (`kernels.disk_cache`,
 `models/<name>-<key>/tokenizer-v1-transformers-<version>/`) and later starts load that.
 """
 
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import decoders
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from shared.disk_cache import derived_folder, load_or_build
+from kernels.disk_cache import derived_folder, load_or_build
 
 # llama.cpp marks every token that ends a turn with one of these keys, besides eos.
 _GGUF_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

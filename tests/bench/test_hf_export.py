@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import hf_export
-from shared.disk_cache import derived_folder
+from kernels.disk_cache import derived_folder
 from shared.model.loader import LoadedModel, load_model
 from shared.model.paths import resolve_model_path
 

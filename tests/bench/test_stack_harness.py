@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from bench import stack_harness
 from bench.stack_harness import format_table, metric_sum, scrape_metrics, vocab_ids, worker_metrics_urls, write_result
-from services.health import create_health_app
+from services.runtime.health import create_health_app
 from services.launcher import Stack, StackConfig
 from shared.metrics import WorkerMetrics
 from shared.protocol import WorkerStatus

@@ -35,7 +35,7 @@ from services.kv_transfer.tcp import TcpSender, TransferHeader, recv_frame, recv
 from services.kv_transfer.tcp_layers import LayerStream
 from services.prefill.tracked import Tracked
 from services.prefill.worker import PrefillWorker
-from services.worker_base import Worker, main
+from services.runtime.worker import Worker, main
 from shared.protocol import KVReady
 from shared.settings import WorkerServiceSettings
 

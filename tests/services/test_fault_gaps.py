@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from services.engine_thread import EngineThread
+from services.runtime.engine_thread import EngineThread
 from services.gateway.context import GATEWAY
 from services.prefill.worker import PrefillWorker
-from services.worker_base import Worker
+from services.runtime.worker import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats
 from shared.engine.sampling_params import SamplingParams

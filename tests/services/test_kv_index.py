@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from services.gateway.kv_index import KVIndex
-from services.kv_events import KVEventSource
+from services.runtime.kv_events import KVEventSource
 from shared.engine.block_pool import extend_block_hashes
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import ReqId, Request

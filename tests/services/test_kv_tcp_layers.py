@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import pytest
 import torch
 
-from services.engine_thread import EngineThread
+from services.runtime.engine_thread import EngineThread
 from services.kv_transfer import KVTransferError, TransferHeader
 from services.kv_transfer.base import num_bytes
 from services.kv_transfer.tcp import TcpReceiver, recv_frame, send_frame, send_views

@@ -1,4 +1,4 @@
-"""A worker keeps the memory its steps free (services/malloc_tuning.py): a prefill on a thread, as
+"""A worker keeps the memory its steps free (services/runtime/malloc_tuning.py): a prefill on a thread, as
 the engine thread runs it, stops faulting in fresh pages for its activations once warm."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from services import malloc_tuning
+from services.runtime import malloc_tuning
 
 # Prefills of 1,024 new tokens each on a thread of their own; prints each one's minor page faults.
 PREFILLS = """
 import json, random, resource, sys, threading
-from services.malloc_tuning import keep_freed_memory
+from services.runtime.malloc_tuning import keep_freed_memory
 print(json.dumps({"tuned": keep_freed_memory() if sys.argv[1] == "tuned" else False}))
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams

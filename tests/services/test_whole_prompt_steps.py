@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.engine_thread import EngineThread
+from services.runtime.engine_thread import EngineThread
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
-from tests.services.test_cpu_share import Host, host  # noqa: F401 (a fixture)
+from tests.services.test_core_lease import Host, host  # noqa: F401 (a fixture)
 
 ON_TIME_S = 0.0005  # on the test's clock: within the 1 ms target
 PROMPT = list(range(1000, 1100))  # 100 tokens: more than a step beside decodes may take under a 1 ms target

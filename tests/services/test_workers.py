@@ -19,13 +19,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.decode.reservation import Reservation
 from services.decode.worker import DecodeWorker
-from services.engine_thread import EngineThread
-from services.health import create_health_app
+from services.runtime.engine_thread import EngineThread
+from services.runtime.health import create_health_app
 from services.kv_transfer import RedisKVConnector
 from services.launcher import RedisServer, Stack, StackConfig, free_port
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.worker import PrefillWorker
-from services.worker_base import Worker
+from services.runtime.worker import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats
 from shared.engine.request import ReqId
@@ -544,7 +544,7 @@ async def test_a_reader_survives_redis_restarting_and_recreates_its_consumer_gro
 async def test_a_reader_refused_by_redis_warns_once_and_reads_again_once_allowed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.worker_base")
+    caplog.set_level(logging.INFO, logger="services.runtime.worker")
     async with inbox_reader("refused") as inbox:  # a private Redis: its ACL changes
         worker = inbox.worker
         reading = f"reading {worker.inbox}"

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.cpu_share import CoreLease
+from services.runtime.core_lease import CoreLease
 from services.late_gaps import PAUSE_AFTER_TTFT_SHARE, LateGapLedger, PromptPauses, WholePromptSteps
 from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared import disk_cache
-from shared.disk_cache import build_folder, derived_folder, file_key, load_or_build, one_builder
+from kernels import disk_cache
+from kernels.disk_cache import build_folder, derived_folder, file_key, load_or_build, one_builder
 from shared.model import loader
 from shared.text import tokenizer as tokenizer_module
 from shared.text.tokenizer import Tokenizer

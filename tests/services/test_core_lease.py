@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cpu_share import SLOT, CoreLease, cpu_list_text
-from services.engine_thread import ENGINE_GIL_SWITCH_INTERVAL_S, EngineThread
+from services.runtime.core_lease import SLOT, CoreLease, cpu_list_text
+from services.runtime.engine_thread import ENGINE_GIL_SWITCH_INTERVAL_S, EngineThread
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
 from tests.services.test_faults import until
@@ -155,7 +155,7 @@ def test_more_workers_with_work_than_cores_run_one_thread_each_without_waiting(
     until(lambda: host.slots()[second.name] == (0, 1), "the second to ask")
     first.rebalance()
     waiter.join(PATIENT_S)
-    with caplog.at_level(logging.WARNING, logger="services.cpu_share"):
+    with caplog.at_level(logging.WARNING, logger="services.runtime.core_lease"):
         assert third.before_step() == 1  # no one runs beyond its share: nothing to wait for
     assert (first.threads, taken, third.threads) == (1, [1], 1)
     assert not caplog.records
@@ -164,7 +164,7 @@ def test_more_workers_with_work_than_cores_run_one_thread_each_without_waiting(
 def test_a_worker_killed_while_borrowing_frees_its_cores_at_once(host: Host) -> None:
     script = f"""
 import sys, time
-from services.cpu_share import CoreLease
+from services.runtime.core_lease import CoreLease
 lease = CoreLease({str(host.directory)!r}, 2, cpus={CPUS!r}, set_threads=lambda n: None)
 print(lease.name, lease.before_step(), flush=True)
 time.sleep(600)
@@ -187,7 +187,7 @@ def test_a_neighbour_that_never_steps_down_is_waited_for_only_so_long(
     hung = host.lease("hung")
     assert hung.before_step() == 2
     decode = host.lease("decode", wait_timeout_s=0.05)
-    with caplog.at_level(logging.WARNING, logger="services.cpu_share"):
+    with caplog.at_level(logging.WARNING, logger="services.runtime.core_lease"):
         assert decode.before_step() == 1
     assert "kept its borrowed cores past 0.05 s; stepping on 1 of 2 cores anyway" in caplog.text
 
@@ -413,7 +413,7 @@ def test_an_engine_thread_without_a_place_for_its_lease_runs_fixed_threads_and_s
             await thread.step()
         thread.shutdown()
 
-    with caplog.at_level(logging.WARNING, logger="services.engine_thread"):
+    with caplog.at_level(logging.WARNING, logger="services.runtime.engine_thread"):
         asyncio.run(run())
     assert f"elastic threads off: no core lease in {not_a_directory}" in caplog.text
     assert "LLMD_WORKER__CORE_LEASE_DIR" in caplog.text

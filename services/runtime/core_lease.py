@@ -16,7 +16,7 @@ add up to more than the cores (unless more workers have work than there are core
 
 A worker may also lend its cores while it still has work (`lend`): a decode worker ahead of its
 inter-token target does, between its steps, so that a neighbour's prefill runs on every core until
-the next token is due (services/engine_thread.py paces it). The borrower grows at its next layer.
+the next token is due (services/runtime/engine_thread.py paces it). The borrower grows at its next layer.
 
 Each worker holds an exclusive flock on its own file for its life; the kernel drops it when the
 process dies, however it dies, so a dead worker's threads stop counting at once. Updates go

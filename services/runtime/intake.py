@@ -13,7 +13,7 @@ from shared.protocol import GenerateRequest, TokenBatch, TokenUpdate
 from shared.streams import PREFILL_GROUP, with_backoff
 
 if TYPE_CHECKING:
-    from services.worker_base import Worker
+    from services.runtime.worker import Worker
 
 logger = logging.getLogger(__name__)
 

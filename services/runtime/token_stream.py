@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.worker_base import Ack, token_update
+from services.runtime.worker import Ack, token_update
 from shared.engine.engine import RequestOutput
 from shared.protocol import Message, TokenBatch, TokenUpdate
 
 if TYPE_CHECKING:
-    from services.worker_base import Worker
+    from services.runtime.worker import Worker
 
 
 @dataclass(slots=True)
