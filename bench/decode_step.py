@@ -45,7 +45,7 @@ def decode_engine(
     rng = random.Random(0)
     for i in range(batch_size):
         engine.add_request(str(i), [rng.randrange(1000, 20000) for _ in range(context)], params_of(i))
-    # prompts may take a step each (SchedulerSettings.prompt_order): step until every request has its
+    # prompts may take a step each (shared/engine/policy/prompt_order.py): step until every request has its
     # first token, so the steps timed are decode steps
     started: set[str] = set()
     while len(started) < batch_size:

@@ -10,7 +10,7 @@ answers a few median-length prompts one at a time, and the targets are `--ttft-s
 median time to first token and `--itl-scale` times their median gap between tokens, the same
 absolute targets for every server. On a GPU give them in ms instead. This stack's servers are
 given the targets (LLMD_TARGETS__*): its decode worker paces itself to the inter-token one while
-prompts are prefilled on its cores, unless --no-pacing.
+prompts are prefilled on its cores.
 Every rate sends the lengths of the first requests of one sample at one draw of arrival gaps
 scaled to the rate, so the rates differ in load alone; each rate's prompts are new tokens, so no
 rate finds the prompts of the one before in the prefix cache. Per rate it prints the share of
@@ -73,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--share", type=float, default=DEFAULT_SHARE, help="share of requests that must meet both")
     parser.add_argument("--stop-below", type=float, default=0.5,
                         help="stop a server's sweep after a rate where fewer than this share met both")
-    parser.add_argument("--no-pacing", action="store_true",
-                        help="this stack's decode worker steps as fast as it can (LLMD_WORKER__PACE_DECODE=false)")
     parser.add_argument("--pauses", action="store_true",
                         help="this stack spends the late gaps that the p90 measure allows on a long prompt: its decode "
                         "worker pauses its streams for one beside it, its colocated engine lets one take a whole step "
@@ -107,8 +105,6 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
         parser.error(f"--share must be in (0, 1], got {args.share}")
     if args.pauses and args.itl_measure != "p90":
         parser.error(f"--pauses spends the late gaps that the p90 measure allows: not with --itl-measure {args.itl_measure}")
-    if args.pauses and args.no_pacing:
-        parser.error("--pauses is part of a paced decode worker's pacing: not with --no-pacing")
     try:
         parse_rates(args.rates)
     except ValueError as e:
@@ -135,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     percentile = 90 if args.pauses else 100
     env = {"LLMD_TARGETS__TTFT_MS": f"{targets.ttft_ms:g}", "LLMD_TARGETS__ITL_MS": f"{targets.itl_ms:g}",
-           "LLMD_TARGETS__ITL_PERCENTILE": str(percentile), "LLMD_WORKER__PACE_DECODE": str(not args.no_pacing).lower()}
+           "LLMD_TARGETS__ITL_PERCENTILE": str(percentile)}
     starters: dict[str, Callable[[], AbstractContextManager[Server]]] = {
         mode: functools.partial(_stack, mode, env) for mode in servers}
     if args.vllm is not None:

@@ -77,7 +77,7 @@ class WorkerMetrics:
         )
         self.lent_seconds = counter(
             "llmd_lent_seconds", "Seconds a decode worker with work lent its cores to a prefilling neighbour, "
-            "pacing its steps to the inter-token target (LLMD_WORKER__PACE_DECODE)."
+            "pacing its steps to the inter-token target (docs/scheduling.md)."
         )
         self.stream_pauses = counter(
             "llmd_stream_pauses", "Times a paced decode worker paused its streams to give a long prompt beside it "

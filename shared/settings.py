@@ -55,7 +55,6 @@ class KVCacheSettings(BaseModel):
 
 
 KVReservation = Literal["paged", "max_length"]
-PromptOrder = Literal["arrival", "shortest"]
 
 
 class SchedulerSettings(BaseModel):
@@ -65,26 +64,26 @@ class SchedulerSettings(BaseModel):
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="with chunked prefill, the most prompt tokens one request takes in a step, so that "
         "shorter prompts behind a long one are prefilled beside its chunks instead of after it; 0: no cap")
-    prompt_order: PromptOrder = Field(
-        "shortest", description="which prompt a step serves first. shortest: the one with the fewest tokens left to "
-        "compute (after its cached prefix), and a step takes more prompts only while they stay within "
-        "prompt_batch_tokens or the first one's share, so a short prompt does not wait for a long one "
-        "(shared/engine/prompt_order.py); arrival: in the order they came, batched up to the step's budget")
-    prompt_batch_tokens: int | None = Field(
-        None, ge=1, description="prompt_order=shortest: prompts share a step only while their tokens in all stay "
-        "within this or the first prompt's share (default: 64 on a CPU, where a step is bound by its arithmetic "
-        "beyond that; max_num_batched_tokens on CUDA)")
-    max_prompt_wait_s: float = Field(
-        10.0, gt=0, description="prompt_order=shortest: a prompt that has waited this long goes ahead of shorter "
-        "ones, so a stream of short prompts cannot starve a long one")
     kv_reservation: KVReservation = Field(
         "paged", description="paged: KV blocks are taken as a request grows; max_length: a request is admitted only "
         "when blocks for its prompt + max_tokens are free, and takes them all at admission (as servers before "
         "PagedAttention, e.g. FasterTransformer and Orca, reserved); for comparison")
-    fit_steps_to_itl_target: bool = Field(
-        True, description="while requests decode, a step takes only as many prompt tokens as keep it within the "
-        "inter-token target (targets.itl_ms), judged from recent steps' measured times, so a long prompt's chunks "
-        "do not stall the streams; off: prompts may take all of max_num_batched_tokens")
+
+
+class LatencyTargetSettings(BaseModel):
+    """The latency a deployment promises its users. The pool planner sizes the prefill pool to the TTFT
+    target and the decode pool to the inter-token target; the step policy (shared/engine/policy) fits
+    steps beside decodes to the inter-token target and paces a CPU decode worker to it while a
+    neighbour on its cores prefills."""
+
+    ttft_ms: float = Field(5000.0, gt=0, description="time to first token (default: about 5x an unloaded "
+                           "256-token prompt on a 2-core AVX2 CPU in float32)")
+    itl_ms: float = Field(200.0, gt=0, description="time between two tokens of one request (default: a chat "
+                          "user's reading pace, DistServe's chatbot target)")
+    itl_percentile: int = Field(
+        100, gt=0, le=100, description="itl_ms holds for this percentile of each request's gaps; below 100 (90 is "
+        "DistServe's p90) a long prompt may take a whole step, or a paced decode worker pause its streams once "
+        "for one beside it, where each stream can take one more late gap within it (docs/scheduling.md); 100: every gap")
 
 
 class EngineSettings(BaseModel):
@@ -92,9 +91,9 @@ class EngineSettings(BaseModel):
     kv_cache: KVCacheSettings = KVCacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     torch_threads: int | None = Field(None, ge=1, description="intra-op threads for torch on CPU")
-    step_target_ms: float | None = Field(
-        None, gt=0, description="while requests decode, steps aim to end within this (shared/engine/step_budget.py); "
-        "None: prompts take the scheduler's whole token budget")
+    targets: LatencyTargetSettings | None = Field(
+        None, description="the latency targets the step policy keeps (shared/engine/policy); None: none, prompts "
+        "take the scheduler's whole token budget (offline use)")
 
 
 class RedisSettings(BaseModel):
@@ -104,21 +103,6 @@ class RedisSettings(BaseModel):
     max_connections: int = Field(
         64, ge=4, description="most connections one service opens to Redis; beyond them a call waits up to "
         "socket_timeout_s for a free one, so a burst of requests queues rather than fails")
-
-
-class LatencyTargetSettings(BaseModel):
-    """The latency a deployment promises its users. The pool planner sizes the prefill pool to the TTFT
-    target and the decode pool to the inter-token target; a CPU decode worker paces its steps to the
-    inter-token target while a neighbour on its cores prefills (`WorkerSettings.pace_decode`)."""
-
-    ttft_ms: float = Field(5000.0, gt=0, description="time to first token (default: about 5x an unloaded "
-                           "256-token prompt on a 2-core AVX2 CPU in float32)")
-    itl_ms: float = Field(200.0, gt=0, description="time between two tokens of one request (default: a chat "
-                          "user's reading pace, DistServe's chatbot target)")
-    itl_percentile: int = Field(
-        100, gt=0, le=100, description="itl_ms holds for this percentile of each request's gaps; below 100 (90 is "
-        "DistServe's p90) a paced decode worker pauses its streams once for a long prompt beside it, where each "
-        "stream can take one more late gap within it (services/late_gaps.py); 100: every gap")
 
 
 class _Base(BaseSettings):
@@ -141,7 +125,7 @@ class EngineServiceSettings(_Base):
     def engine(self) -> EngineSettings:
         return EngineSettings(
             model=self.model, kv_cache=self.kv_cache, scheduler=self.scheduler, torch_threads=self.torch_threads,
-            step_target_ms=self.targets.itl_ms if self.scheduler.fit_steps_to_itl_target else None,
+            targets=self.targets,
         )
 
     @model_validator(mode="after")
@@ -211,9 +195,6 @@ class WorkerSettings(BaseModel):
     core_lease_dir: str = Field(
         "/dev/shm", description="directory (a tmpfs) shared by the workers of one host, holding their core lease"
     )
-    pace_decode: bool = Field(
-        True, description="a decode worker on a core lease spaces its steps as far apart as the inter-token "
-        "target allows (targets.itl_ms) while a neighbour has prompts to prefill, and lends it its cores between them")
     kv_events: KVEventSettings = KVEventSettings()
 
     @field_validator("cpus")

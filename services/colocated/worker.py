@@ -43,7 +43,7 @@ class ColocatedWorker(PrefillWorker):
 
     def engine_loaded(self) -> None:
         super().engine_loaded()
-        self.engine.stall_for_prompts(self.settings.targets, first_token_seen=True)
+        self.engine.stall_for_prompts(first_token_seen=True)
 
     def serve_tasks(self) -> list[Coroutine[Any, Any, None]]:
         return [*super().serve_tasks(), self.tokens.send_loop()]

@@ -32,7 +32,6 @@ from services.decode.local_prefill import LocalPrefill
 from services.decode.reservation import Reservation
 from services.kv_transfer import KVTransferError, TransferHeader
 from services.kv_transfer.base import num_bytes
-from services.late_gaps import PAUSE_AFTER_TTFT_SHARE
 from services.runtime.token_stream import Active, TokenStream
 from services.runtime.worker import Worker
 from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
@@ -126,24 +125,20 @@ class DecodeWorker(Worker):
     def engine_loaded(self) -> None:
         self._pace()
         # after the pacing, whose ledger of late gaps it then shares: for follow-up turns prefilled here
-        self.engine.stall_for_prompts(self.settings.targets, first_token_seen=False)
+        self.engine.stall_for_prompts(first_token_seen=False)
 
     def _pace(self) -> None:
         targets = self.settings.targets
-        ttft_target_s = targets.ttft_ms / 1000
         # a pause as long as a first token may take, and never so long that it reads as a stuck engine
-        max_pause_s = min(ttft_target_s, self.settings.worker.stuck_after_s / 2)
-        if not self.settings.worker.pace_decode or not self.engine.pace_to(
-            targets.itl_ms / 1000, targets.itl_percentile, max_pause_s=max_pause_s,
-            pause_after_s=PAUSE_AFTER_TTFT_SHARE * ttft_target_s,
-        ):
+        max_pause_s = min(targets.ttft_ms / 1000, self.settings.worker.stuck_after_s / 2)
+        if not self.engine.pace(max_pause_s):
             return
         logger.info("decode paced: while a neighbour on these cores prefills, tokens come up to %g ms apart "
                     "(LLMD_TARGETS__ITL_MS) and the cores go to the prompts in between", targets.itl_ms)
-        if targets.itl_percentile < 100:
+        if self.engine.policy.pauses_streams:
             logger.info("a prompt that keeps the neighbour busy %g ms pauses the streams for up to %g ms where "
                         "%d%% of each one's gaps still meet the target (LLMD_TARGETS__ITL_PERCENTILE)",
-                        PAUSE_AFTER_TTFT_SHARE * targets.ttft_ms, 1000 * max_pause_s, targets.itl_percentile)
+                        1000 * self.engine.policy.pause_after_s, 1000 * max_pause_s, targets.itl_percentile)
 
     async def setup(self) -> None:
         await super().setup()

@@ -15,12 +15,10 @@ from typing import Any, TypeVar
 import torch
 
 from services.runtime.core_lease import CoreLease
-from services.late_gaps import PAUSE_AFTER_TTFT_SHARE, LateGapLedger, PromptPauses, WholePromptSteps
-from services.pacing import StepPacer
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
-from shared.engine.request import Request
+from shared.engine.policy import StepPolicy
 from shared.model.loader import load_model
-from shared.settings import LatencyTargetSettings, WorkerServiceSettings
+from shared.settings import WorkerServiceSettings
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -64,15 +62,8 @@ class EngineThread:
         # runs on the engine thread after each decoder layer of a step, with that layer's index (CPU only)
         self.after_layer: Callable[[Engine, int], None] | None = None
         self._layer = 0  # the next decoder layer of the step in progress
-        self._pacer: StepPacer | None = None
-        # one count of each stream's late gaps, whatever spends them: pauses for a neighbour's prompts,
-        # whole steps for the engine's own
-        self._ledger: LateGapLedger | None = None
-        self._pauses: PromptPauses | None = None
-        self._whole_prompts: WholePromptSteps | None = None
         self._held: dict[str, int] = {}  # the engine's requests after the last call, with their sure output tokens
         self.lent_s = 0.0  # seconds the engine lent its cores to a neighbour while it had work (pacing)
-        self.num_pauses = 0  # pauses the late-gap allowance bought a neighbour, or steps a held-back prompt
 
     @property
     def engine(self) -> Engine:
@@ -120,48 +111,40 @@ class EngineThread:
                 "LLMD_WORKER__ELASTIC_THREADS=false and LLMD_TORCH_THREADS", directory, e, max_threads,
             )
 
-    def pace_to(self, itl_target_s: float, percentile: int = 100, max_pause_s: float = 0.0,
-                pause_after_s: float = 0.0) -> bool:
-        """Space steps as far apart as `itl_target_s` allows while a neighbour on the lease has work,
-        lending it the cores between them (services/pacing.py); False where there is no lease. Below
-        the 100th `percentile`, also pause every stream, for up to `max_pause_s`, once a neighbour has
-        had work for `pause_after_s` and each stream can take one more late gap (services/late_gaps.py)."""
+    @property
+    def policy(self) -> StepPolicy:
+        return self.engine.policy
+
+    def pace(self, max_pause_s: float) -> bool:
+        """Space steps as far apart as the inter-token target allows while a neighbour on the lease has
+        work, lending it the cores between them, and pause the streams for up to `max_pause_s` where
+        the policy allows (shared/engine/policy); False where there is no lease."""
         if self._lease is None:
             return False
-        self._pacer = StepPacer(itl_target_s)
-        if percentile < 100 and max_pause_s > 0:
-            ledger = self._late_gap_ledger(itl_target_s, percentile, first_token_seen=False)
-            self._pauses = PromptPauses(ledger, pause_after_s, max_pause_s)
+        self.policy.pace(max_pause_s)
         return True
 
-    def stall_for_prompts(self, targets: LatencyTargetSettings, first_token_seen: bool) -> bool:
-        """Under a percentile inter-token target, let a prompt that the engine's step budget holds back
-        beside running decodes take a whole step where each stream can take one more late gap, at
-        once or, leaving none spare, once the prompt has waited PAUSE_AFTER_TTFT_SHARE of the TTFT
-        target (services/late_gaps.py); False where the target holds every gap or the engine's steps
-        are not fitted to it. `first_token_seen`: every stream's first token is this engine's
-        (colocated), so no gap before it goes unseen."""
-        if targets.itl_percentile == 100 or self.engine.step_budget is None:
+    def stall_for_prompts(self, first_token_seen: bool) -> bool:
+        """Let a prompt the step budget holds back take a whole step where the streams afford it
+        (`StepPolicy.stall_for_prompts`), and say so once in the log."""
+        if not self.policy.stall_for_prompts(first_token_seen):
             return False
-        after_s = PAUSE_AFTER_TTFT_SHARE * targets.ttft_ms / 1000
-        ledger = self._late_gap_ledger(targets.itl_ms / 1000, targets.itl_percentile, first_token_seen)
-        self._whole_prompts = WholePromptSteps(ledger, after_s)
+        targets = self.policy.targets
+        assert targets is not None
         logger.info("a prompt that the inter-token target would cut into chunks beside the streams takes a whole "
                     "step, at once or after %g ms, where %d%% of each one's gaps still meet the target "
-                    "(LLMD_TARGETS__ITL_PERCENTILE)", 1000 * after_s, targets.itl_percentile)
+                    "(LLMD_TARGETS__ITL_PERCENTILE)", 1000 * self.policy.pause_after_s, targets.itl_percentile)
         return True
 
-    def _late_gap_ledger(self, itl_target_s: float, percentile: int, first_token_seen: bool) -> LateGapLedger:
-        """The engine's one ledger, made by the first caller."""
-        if self._ledger is None:
-            self._ledger = LateGapLedger(itl_target_s, percentile, first_token_seen)
-        return self._ledger
+    @property
+    def num_pauses(self) -> int:
+        """Pauses the late-gap allowance bought a neighbour, or whole steps a held-back prompt."""
+        return self.policy.num_pauses if self._engine is not None else 0
 
     @property
     def paced_steps(self) -> tuple[int, int]:
         """(steps the pacer planned, those of them whose tokens came later than the target)."""
-        pacer = self._pacer
-        return (0, 0) if pacer is None else (pacer.paced_steps, pacer.late_paced_steps)
+        return self.policy.paced_steps if self._engine is not None else (0, 0)
 
     @property
     def torch_threads(self) -> int | None:
@@ -217,39 +200,24 @@ class EngineThread:
     async def step(self, then: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One engine step; `then(outputs)` runs right after it on the engine thread, before any call
         queued meanwhile (which would otherwise wait for the next step)."""
-        if self._pacer is not None:
-            await self._lend_until_due(self._pacer)
-            self._pacer.woke(self._clock())  # from here: calls queued ahead of the step delay its tokens too
+        if self._lease is not None and self.policy.is_paced:
+            await self._lend_until_due(self._lease)
+            self.policy.woke(self._clock())
         return await self.call(self._step, then)
 
-    async def _lend_until_due(self, pacer: StepPacer) -> None:
+    async def _lend_until_due(self, lease: CoreLease) -> None:
         # on the event loop, not the engine thread: calls (a commit, an abort) still run meanwhile
-        assert self._lease is not None
-        now, neighbour_has_work = self._clock(), self._lease.neighbour_has_work()
-        pauses = self._pauses
-        if pauses is not None:
-            pauses.neighbour(now, neighbour_has_work)
-        if not neighbour_has_work:
+        now = self._clock()
+        lend = self.policy.before_step(now, lease.neighbour_has_work(), self._held)
+        if lend is None:
             return
-        pausing = pauses if pauses is not None and pauses.due(now, self._held) else None
-        paused: frozenset[str] = frozenset()
-        if pausing is not None:
-            paused = frozenset(self._held)
-            self.num_pauses += 1
-            pausing.started(paused)
-            pause = pausing.max_s
-        else:
-            pause = pacer.pause_s(now)
-            if not pause:
-                return
-            pacer.lent()
-        await self.call(self._lease.lend)
+        await self.call(lease.lend)
         lent_at = self._clock()
         # a pause lasts its length; a paced step is due at a time, which the lend's own latency (ms on
         # cores the neighbour's threads fill) must not push later
-        deadline = lent_at + pause if pausing is not None else now + pause
-        while (left := deadline - self._clock()) > 0 and self._lease.neighbour_has_work():
-            if pausing is not None and not pausing.goes_on(self._held, paused):
+        deadline = lent_at + lend.seconds if lend.is_pause else lend.deadline_s
+        while (left := deadline - self._clock()) > 0 and lease.neighbour_has_work():
+            if lend.is_pause and not self.policy.pause_goes_on(self._held, lend.paused):
                 break  # a request committed meanwhile cannot spare its first gap
             await asyncio.sleep(min(left, LEND_POLL_S))
         self.lent_s += self._clock() - lent_at
@@ -259,27 +227,14 @@ class EngineThread:
             self._lease.before_step()
         started, num_steps = self._clock(), self.engine.num_steps
         self._layer = 0
-        outputs = self.engine.step() if self._whole_prompts is None else self.engine.step(self._stalls_for)
+        outputs = self.engine.step()
         self._stepped_at = self._clock()
         if self.engine.num_steps != num_steps:
             self.busy_s += self._stepped_at - started
-            if self._pacer is not None:
-                self._pacer.stepped(self._stepped_at)
-            if self._ledger is not None:
-                self._ledger.stepped(self._stepped_at, outputs)
+            self.policy.stepped(self._stepped_at, outputs)
         if then is not None and outputs:
             then(outputs)
         return outputs
-
-    def _stalls_for(self, prompt: Request) -> bool:
-        """Whether the step stalls the streams for `prompt`, which the step budget holds back."""
-        assert self._whole_prompts is not None
-        # Request.arrived_s is on time.monotonic, whatever clock this thread was given
-        streams = self.engine.unfinished_sure_tokens(streams_only=True)
-        if not self._whole_prompts.due(time.monotonic() - prompt.arrived_s, streams):
-            return False
-        self.num_pauses += 1
-        return True
 
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         start = self._clock()
@@ -291,7 +246,7 @@ class EngineThread:
         finally:
             if self._engine is not None:
                 self.stats = self._engine.stats()
-                if self._pauses is not None:
+                if self._engine.policy.pauses_streams:
                     self._held = self._engine.unfinished_sure_tokens()
                 self.num_steps = self._engine.num_steps
                 if self.after_call is not None:

@@ -21,9 +21,9 @@ from kernels.kv_quant import KVFormat, kv_format
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.prompt_order import prompt_order_for
+from shared.engine.policy import StepPolicy
+from shared.engine.policy.step_cost import attention_pairs
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from shared.engine.step_budget import StepBudget, attention_pairs
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
 from shared.model.runner import PHASE_SCHEDULE, PHASE_UPDATE, ModelRunner, kv_block_bytes
@@ -161,18 +161,14 @@ class Engine:
             )
         self.kv_cache = KVCacheManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
         sched = settings.scheduler
+        self.policy = StepPolicy(settings.targets, device.type, sched.max_num_batched_tokens,
+                                 sched.enable_chunked_prefill)
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.enable_chunked_prefill,
-                            sched.kv_reservation, sched.long_prefill_token_threshold,
-                            prompt_order_for(sched, device.type)),
+                            sched.kv_reservation, sched.long_prefill_token_threshold, self.policy.order),
             self.kv_cache,
         )
         self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt)
-        # without chunks a prompt wider than the cap could only wait for the decodes to end
-        self.step_budget = (
-            StepBudget(settings.step_target_ms / 1000)
-            if settings.step_target_ms is not None and sched.enable_chunked_prefill else None
-        )
         self._requests: dict[ReqId, Request] = {}
         self._importing: dict[ReqId, Request] = {}
         self._rng = random.Random()
@@ -277,17 +273,11 @@ class Engine:
         return {req.req_id: req.num_sure_output_tokens for reqs in (self.scheduler.running, self.scheduler.waiting)
                 for req in reqs if req.num_output_tokens or not streams_only}  # fmt: skip
 
-    def step(self, stall_for: Callable[[Request], bool] | None = None) -> list[RequestOutput]:
-        """One step. `stall_for(prompt)`, asked only where the step budget holds back the prompt the
-        step serves first: True lets prompts take the scheduler's whole token budget beside the
-        running decodes, for a caller that has judged the streams can take the one long gap this
-        makes (services/late_gaps.py)."""
+    def step(self) -> list[RequestOutput]:
+        """One step, its prompt tokens capped beside running decodes as `policy` decides."""
         started = time.perf_counter()
         with record_function(PHASE_SCHEDULE):
-            prompt, cap = self._capped_prompt()
-            if stall_for is not None and prompt is not None and stall_for(prompt):
-                cap = None
-            plan = self.scheduler.schedule(cap)
+            plan = self.scheduler.schedule(self._prompt_cap())
         if plan.is_empty:
             return []
         self.step_plan = plan
@@ -298,30 +288,38 @@ class Engine:
         with record_function(PHASE_UPDATE):
             sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
-        if self.step_budget is not None:
+        if self.policy.budget is not None:
             # after the update: each request's context before this step is its count less what it computed
             pairs = sum(attention_pairs(n, req.num_computed_tokens - n)
                         for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
-            self.step_budget.observe(plan.num_tokens, pairs, time.perf_counter() - started)
+            self.policy.observe_step(plan.num_tokens, pairs, time.perf_counter() - started)
         return [self._output(req) for req in sampled]
 
     def prompt_held_back(self) -> Request | None:
-        """The prompt the next step serves first where the step budget, beside running decodes, lets it
+        """The prompt the next step serves first where the policy's cap, beside running decodes, lets it
         take fewer tokens than it has left (None where nothing holds a prompt back)."""
         return self._capped_prompt()[0]
 
+    def _prompt_cap(self) -> int | None:
+        """The step's cap on prompt tokens; lifted where the held-back prompt takes a whole step."""
+        prompt, cap = self._capped_prompt()
+        if prompt is not None and self.policy.takes_whole_step(
+                prompt, time.monotonic() - prompt.arrived_s, self.unfinished_sure_tokens(streams_only=True)):
+            return None
+        return cap
+
     def _capped_prompt(self) -> tuple[Request | None, int | None]:
-        """The prompt tokens this step may take (None: no cap; capped only while requests decode, by
-        `StepBudget`), and the prompt the step serves first where the cap holds it back."""
-        if self.step_budget is None:
+        """The prompt tokens this step may take (None: no cap), and the prompt the step serves first
+        where the cap holds it back."""
+        if self.policy.budget is None:
             return None, None
         num_decoding = self.scheduler.num_decoding  # first: it is cheap, and finding the prompt may sort them all
         prompt = self.scheduler.next_prompt() if num_decoding else None
         if prompt is None:
             return None, None
         # a waiting prompt's cached prefix is not looked up here: its context counts as computed so far
-        cap = self.step_budget.prompt_tokens(num_decoding, prompt.num_computed_tokens)
-        return (prompt if prompt.num_tokens - prompt.num_computed_tokens > cap else None), cap
+        cap = self.policy.prompt_cap(num_decoding, prompt.num_computed_tokens)
+        return (prompt if cap is not None and prompt.num_tokens - prompt.num_computed_tokens > cap else None), cap
 
     def _output(self, req: Request) -> RequestOutput:
         wants_logprobs = req.params.logprobs is not None

@@ -82,7 +82,7 @@ class Request:
         """The output tokens this request produces unless it is aborted: `min_tokens`, or its whole
         length where only that can end it (`ignore_eos` and no stop ids); none where stop strings (the
         gateway matches them on any token) or a grammar (it ends when complete) may end it sooner; at
-        most what the context leaves. A paced decode worker plans late gaps on it (services/late_gaps.py)."""
+        most what the context leaves. The step policy plans late gaps on it (shared/engine/policy/late_gaps.py)."""
         params = self.params
         if params.stop or params.structured is not None:
             return 0

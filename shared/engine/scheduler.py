@@ -3,10 +3,9 @@
 Each step has a token budget and a cap on running requests. Running requests go first (a
 decode needs one token, an unfinished chunked prefill the next chunk), then waiting requests
 fill what is left, long prompts in chunks. A step may also be given a cap on its prompt tokens
-(shared/engine/step_budget.py keeps a step beside decodes within the inter-token target); the
-decodes are not counted in it, so a chunk ahead of them in the running list never crowds them
-out of the step. Prompts go in arrival order, or, with `shortest_first`, the one with the fewest
-tokens left first (shared/engine/prompt_order.py). When blocks run out, the most recently started
+(the step policy, shared/engine/policy, keeps a step beside decodes within the inter-token target);
+the decodes are not counted in it, so a chunk ahead of them in the running list never crowds them
+out of the step. Prompts go the fewest tokens left first (`ShortestFirst`). When blocks run out, the most recently started
 request is preempted: its blocks are freed and it is recomputed later, reusing whatever of
 its prefix is still cached. Under the max_length reservation policy (kept to measure what
 paging buys) a request is admitted only with blocks for its whole length, so it never grows.
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import get_args
 
 from shared.engine.kv_cache_manager import KVCacheManager
-from shared.engine.prompt_order import ShortestFirst
+from shared.engine.policy.prompt_order import ShortestFirst
 from shared.engine.request import ReqId, Request, RequestStatus
 from shared.settings import KVReservation
 
@@ -33,8 +32,12 @@ class SchedulerConfig:
     kv_reservation: KVReservation = "paged"
     # with chunked prefill, the most prompt tokens one request takes in a step; 0: no cap
     long_prefill_token_threshold: int = 0
-    # None: prompts in arrival order
-    shortest_first: ShortestFirst | None = None
+    # which prompt first, and how many share a step (by default: as many as the budget holds)
+    prompt_order: ShortestFirst | None = None
+
+    @property
+    def order(self) -> ShortestFirst:
+        return self.prompt_order or ShortestFirst(self.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -111,6 +114,7 @@ class Budget:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
+        self.order = config.order
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -129,12 +133,8 @@ class Scheduler:
         return sum(1 for req in self.running if req.num_tokens - req.num_computed_tokens == 1)
 
     def next_prompt(self) -> Request | None:
-        """The prompt the next step serves first: in arrival order a running chunked prefill, else the
-        first waiting."""
-        if self.config.shortest_first is not None:
-            return next(iter(self._prompts_in_order(self.config.shortest_first)), None)
-        chunked = (req for req in self.running if req.num_tokens - req.num_computed_tokens > 1)
-        return next(chunked, self.waiting[0] if self.waiting else None)
+        """The prompt the next step serves first."""
+        return next(iter(self._prompts_in_order(self.order)), None)
 
     def schedule(self, max_prompt_tokens: int | None = None) -> ScheduledBatch:
         """This step's plan; with `max_prompt_tokens`, prompts (chunks of more than one token) take at
@@ -145,22 +145,19 @@ class Scheduler:
         # finish in the next step instead of after the long one's last
         per_prompt = cap if cap and self.config.enable_chunked_prefill else None
         budget = Budget(self.config.max_num_batched_tokens, max_prompt_tokens, per_prompt)
-        order = self.config.shortest_first
-        self._schedule_running(batch, budget, decodes_only=order is not None)
+        self._schedule_running(batch, budget)
         if not batch.preempted:
-            if order is None:
-                self._schedule_waiting(batch, budget)
-            else:
-                self._schedule_prompts_in_order(batch, budget, order)
+            self._schedule_prompts_in_order(batch, budget, self.order)
         batch.block_tables = [self.kv_cache.block_ids(req.req_id) for req in batch.reqs]
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: Budget, decodes_only: bool = False) -> None:
+    def _schedule_running(self, batch: ScheduledBatch, budget: Budget) -> None:
+        """The decodes, each one token; running prompts' chunks go in the prompts' order."""
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             wanted = req.num_tokens - req.num_computed_tokens
-            if decodes_only and wanted > 1:
+            if wanted > 1:
                 i += 1
                 continue
             num_new = budget.grant(wanted)
@@ -178,11 +175,6 @@ class Scheduler:
                 batch.num_new_tokens.append(num_new)
                 budget.spend(wanted, num_new)
                 i += 1
-
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: Budget) -> None:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            if self._admit(batch, budget, self.waiting[0]) is None:
-                break
 
     def _admit(self, batch: ScheduledBatch, budget: Budget, req: Request) -> int | None:
         """Start a waiting request with the tokens the step grants it (returned); None where the step
@@ -223,7 +215,7 @@ class Scheduler:
     def _schedule_prompts_in_order(self, batch: ScheduledBatch, budget: Budget, order: ShortestFirst) -> None:
         """Prompts after the decodes, running chunks and waiting ones alike in `order`; the first one's
         share sets how many more prompt tokens the step takes. A preemption ends the step's prompts,
-        as in arrival order, so the request preempted is not started again in the same step."""
+        so the request preempted is not started again in the same step."""
         first_share: int | None = None
         for req in self._prompts_in_order(order):
             if budget.tokens <= 0 or batch.preempted:

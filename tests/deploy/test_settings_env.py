@@ -60,6 +60,7 @@ def test_kubernetes_manifests_set_only_known_settings() -> None:
         ("Dockerfile.gpu", ("gateway", "prefill", "decode")),
         ("deploy/k8s/gpu/kustomization.yaml", ("prefill", "decode")),
         ("docs/deploy.md", ("gateway", "prefill", "decode")),
+        ("docs/scheduling.md", ("prefill", "decode")),
     ],
 )
 def test_other_files_name_only_known_settings(path: str, services: tuple[str, ...]) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shared.engine.engine import Engine
+from shared.engine.policy.prompt_order import ShortestFirst
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.model.runner import kv_block_bytes
@@ -44,10 +45,12 @@ def make_engine(
     settings = EngineSettings(
         model=ModelSettings(dtype="float32", device="cpu"),
         kv_cache=kv,
-        # arrival order batches prompts of mixed lengths into one step, which these tests check
-        scheduler=SchedulerSettings(max_num_batched_tokens=budget, max_num_seqs=64, prompt_order="arrival"),
+        scheduler=SchedulerSettings(max_num_batched_tokens=budget, max_num_seqs=64),
     )
-    return Engine(settings, loaded)
+    engine = Engine(settings, loaded)
+    # prompts of mixed lengths share one step, as on a GPU, which these tests check
+    engine.scheduler.order = ShortestFirst(budget)
+    return engine
 
 
 def greedy(max_tokens: int = MAX_NEW_TOKENS) -> SamplingParams:

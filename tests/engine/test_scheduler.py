@@ -57,21 +57,15 @@ def test_running_decodes_go_first_then_waiting_prompts_fill_budget() -> None:
 
 def test_a_prompt_token_cap_limits_chunks_but_not_decodes() -> None:
     sched = make_scheduler(budget=32, num_blocks=32)
-    sched.add(make_req("long", 40, max_tokens=10))
-    assert plan(run_step(sched)) == [("long", 32)]
-    sched.add(make_req("a", 6, max_tokens=10, first_token=100))
-    sched.add(make_req("b", 6, max_tokens=10, first_token=200))
-    # the running chunk comes first in the list, yet the decodes are not in its cap
-    assert sched.num_decoding == 0 and sched.next_prompt().num_computed_tokens == 32
+    sched.add(make_req("a", 6, max_tokens=10))
+    sched.add(make_req("b", 6, max_tokens=10, first_token=100))
+    assert plan(run_step(sched)) == [("a", 6), ("b", 6)]
+    sched.add(make_req("long", 40, max_tokens=10, first_token=200))
+    assert sched.num_decoding == 2 and sched.next_prompt().req_id == "long"
     batch = sched.schedule(max_prompt_tokens=10)
-    assert plan(batch) == [("long", 8), ("a", 2)]
-    sched.update(batch, StepResult(token_ids=[5]))
-    assert sched.num_decoding == 1 and sched.next_prompt().num_computed_tokens == 2
-    batch = sched.schedule(max_prompt_tokens=3)
-    assert plan(batch) == [("long", 1), ("a", 3)]
-    sched.update(batch, StepResult(token_ids=[5]))
-    # a prompt's last token is one token, as a decode's
-    assert plan(sched.schedule(max_prompt_tokens=3)) == [("long", 1), ("a", 1), ("b", 3)]
+    assert plan(batch) == [("a", 1), ("b", 1), ("long", 10)]  # the decodes are not in the cap
+    sched.update(batch, StepResult(token_ids=[5, 5]))
+    assert plan(sched.schedule(max_prompt_tokens=3)) == [("a", 1), ("b", 1), ("long", 3)]
 
 
 def test_a_long_prompt_takes_at_most_its_threshold_a_step_and_a_short_one_beside_it_finishes_first() -> None:
@@ -80,9 +74,9 @@ def test_a_long_prompt_takes_at_most_its_threshold_a_step_and_a_short_one_beside
     sched.add(make_req("long", 40, max_tokens=2))
     assert plan(run_step(sched)) == [("long", 12)]
     sched.add(make_req("short", 10, max_tokens=2, first_token=100))  # came during the long one's first chunk
-    assert plan(run_step(sched)) == [("long", 12), ("short", 10)]
+    assert plan(run_step(sched)) == [("short", 10), ("long", 12)]
     assert sched.running[1].num_output_tokens == 1  # its first token, two chunks before the long one's
-    assert plan(run_step(sched)) == [("long", 12), ("short", 1)]
+    assert plan(run_step(sched)) == [("short", 1), ("long", 12)]
     assert plan(run_step(sched)) == [("long", 4)]
     assert sched.running[0].num_output_tokens == 1
 

@@ -1,5 +1,5 @@
 """Request.num_sure_output_tokens: what a paced decode worker may plan late gaps on
-(services/late_gaps.py), so it must never exceed what the request can produce."""
+(shared/engine/policy/late_gaps.py), so it must never exceed what the request can produce."""
 
 from __future__ import annotations
 

@@ -61,10 +61,11 @@ def in_thread(fn: Callable[[], int]) -> tuple[threading.Thread, list[int]]:
     return thread, result
 
 
-def engine_settings(model_path: str, lease_dir: Path) -> WorkerServiceSettings:
+def engine_settings(model_path: str, lease_dir: Path, **targets: float) -> WorkerServiceSettings:
+    """A leasing engine's settings, with the latency `targets` given (LatencyTargetSettings' fields)."""
     return WorkerServiceSettings.model_validate({
         "model": {"path": model_path, "dtype": "float32"}, "kv_cache": {"memory_bytes": 32 * 2**20},
-        "worker": {"elastic_threads": True, "core_lease_dir": str(lease_dir)},
+        "worker": {"elastic_threads": True, "core_lease_dir": str(lease_dir)}, "targets": targets,
     })  # fmt: skip
 
 
@@ -260,12 +261,13 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
 def test_a_paced_engine_lends_its_cores_between_steps_only_while_a_neighbour_has_work(
     host: Host, model_path: str, two_torch_threads: None
 ) -> None:
-    settings = engine_settings(model_path, host.directory)
+    # an inter-token target far beyond any step: every pause lasts until the neighbour is done
+    settings = engine_settings(model_path, host.directory, itl_ms=60_000)
 
     async def run() -> None:
         thread = EngineThread()
         engine = await thread.load(settings)
-        assert thread.pace_to(60.0)  # far beyond any step: every pause lasts until the neighbour is done
+        assert thread.pace(max_pause_s=0.0)
         neighbour = host.lease("neighbour")
         await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=8, temperature=0))
         await thread.step()
@@ -298,7 +300,7 @@ def test_a_paced_engine_lends_its_cores_between_steps_only_while_a_neighbour_has
 def test_a_paced_step_is_due_at_its_time_however_long_lending_the_cores_took(
     host: Host, model_path: str, two_torch_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings = engine_settings(model_path, host.directory)
+    settings = engine_settings(model_path, host.directory, itl_ms=1000)
     now = [0.0]
 
     def clock() -> float:  # moves on as it is read, so a wait on it ends
@@ -308,7 +310,7 @@ def test_a_paced_step_is_due_at_its_time_however_long_lending_the_cores_took(
     async def run() -> None:
         thread = EngineThread(clock=clock)
         engine = await thread.load(settings)
-        assert thread.pace_to(1.0)  # the next token is due 0.9 s after the last
+        assert thread.pace(max_pause_s=0.0)  # the next token is due 0.9 s after the last
         neighbour = host.lease("neighbour")
         await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=8, temperature=0))
         await thread.step()
@@ -343,14 +345,15 @@ def test_a_paced_step_is_due_at_its_time_however_long_lending_the_cores_took(
 def test_a_paced_engine_pauses_its_streams_for_a_neighbours_prompt_only_where_they_can_take_a_late_gap(
     host: Host, model_path: str, two_torch_threads: None
 ) -> None:
-    settings = engine_settings(model_path, host.directory)
+    settings = engine_settings(model_path, host.directory, itl_ms=1000, itl_percentile=90)
     now = [0.0]
 
     async def run() -> None:
         thread = EngineThread(clock=lambda: now[0])
         engine = await thread.load(settings)
         # gaps of 0.95 s: on time for a 1 s target, and past the paced pause (due at 0.9 s)
-        assert thread.pace_to(1.0, percentile=90, max_pause_s=60.0, pause_after_s=0.0)
+        assert thread.pace(max_pause_s=60.0)
+        thread.policy.pause_after_s = 0.0  # every prompt counts as long at once: no late gap is kept for one
         neighbour = host.lease("neighbour")
         await thread.call(engine.add_request, "r", [1, 2, 3, 4], SamplingParams(max_tokens=30, temperature=0))
 

@@ -126,9 +126,9 @@ PLANNER_ENV = {
     # four clients keep the prefill worker busy, but how busy depends on the machine (its steps speed up
     # when it borrows the decode worker's idle core): a lower bar than the default 0.8 is still only met under load
     "LLMD_PLANNER__TARGET_LOAD": "0.5", "LLMD_PLANNER__LOW_LOAD": "0.2",
-    # only the prefill pool is under test: the decode pool's steps never come near this (and decode is not
-    # paced to it, which would space its tokens up to a minute apart while prefill works)
-    "LLMD_TARGETS__ITL_MS": "60000", "LLMD_WORKER__PACE_DECODE": "false",
+    # only the prefill pool is under test: the decode pool's steps never come near this (and without a core
+    # lease decode is not paced to it, which would space its tokens up to a minute apart while prefill works)
+    "LLMD_TARGETS__ITL_MS": "60000", "LLMD_WORKER__ELASTIC_THREADS": "false",
     # the load repeats one prompt, which a decode worker would then prefill itself: keep it on the prefill pool
     "LLMD_ROUTING__LOCAL_PREFILL_MAX_TOKENS": "0",
     "LLMD_KV_CACHE__MEMORY_BYTES": str(64 * 2**20), "LLMD_LOG_LEVEL": "WARNING",

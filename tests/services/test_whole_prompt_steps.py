@@ -1,6 +1,6 @@
 """A colocated engine lets a prompt that its step budget would cut into chunks beside running decodes
-take a whole step, where each stream can take the one late gap that makes (services/late_gaps.py,
-`WholePromptSteps`): through the engine thread with the real model, clock-driven gaps."""
+take a whole step, where each stream can take the one late gap that makes (the step policy,
+`StepPolicy.takes_whole_step`): through the engine thread with the real model, clock-driven gaps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import asyncio
 from services.runtime.engine_thread import EngineThread
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
-from tests.services.test_core_lease import Host, host  # noqa: F401 (a fixture)
 
 ON_TIME_S = 0.0005  # on the test's clock: within the 1 ms target
 PROMPT = list(range(1000, 1100))  # 100 tokens: more than a step beside decodes may take under a 1 ms target
@@ -31,7 +30,7 @@ def test_a_held_back_prompt_takes_a_whole_step_only_where_every_stream_can_take_
     async def run() -> None:
         thread = EngineThread(clock=lambda: now[0])
         engine = await thread.load(settings(model_path))
-        assert thread.stall_for_prompts(settings(model_path).targets, first_token_seen=True)
+        assert thread.stall_for_prompts(first_token_seen=True)
 
         async def step() -> list[str]:
             now[0] += ON_TIME_S
@@ -73,26 +72,7 @@ def test_whole_prompt_steps_need_a_percentile_target(model_path: str) -> None:
     async def run() -> None:
         thread = EngineThread()
         await thread.load(every_gap)
-        assert not thread.stall_for_prompts(every_gap.targets, first_token_seen=True)
-        thread.shutdown()
-
-    asyncio.run(run())
-
-
-def test_a_paced_decode_worker_spends_one_count_of_late_gaps_on_pauses_and_whole_steps(
-    host: Host, model_path: str
-) -> None:
-    paced = settings(model_path).model_copy(deep=True)
-    paced.worker.elastic_threads, paced.worker.core_lease_dir = True, str(host.directory)
-
-    async def run() -> None:
-        thread = EngineThread()
-        await thread.load(paced)
-        assert thread.pace_to(0.001, percentile=90, max_pause_s=1.0, pause_after_s=0.0)
-        assert thread.stall_for_prompts(paced.targets, first_token_seen=False)
-        # a late gap a stall takes is one a pause for a neighbour's prompt cannot, and the other way round
-        assert thread._pauses is not None and thread._whole_prompts is not None
-        assert thread._whole_prompts.ledger is thread._pauses.ledger
+        assert not thread.stall_for_prompts(first_token_seen=True)
         thread.shutdown()
 
     asyncio.run(run())

@@ -1,4 +1,4 @@
-"""The "shortest" prompt order: the fewest tokens left first, small prompts batched, the long-waiting first."""
+"""The prompt order: the fewest tokens left first, small prompts batched, the long-waiting first."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import time
 import pytest
 
 from shared.engine.kv_cache_manager import KVCacheManager
-from shared.engine.prompt_order import CPU_BATCH_TOKENS, ShortestFirst, prompt_order_for
+from shared.engine.policy.prompt_order import CPU_BATCH_TOKENS, ShortestFirst
 from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.settings import SchedulerSettings
 from tests.engine.test_scheduler import BLOCK_SIZE, make_req, plan, run_step
 
 
@@ -17,7 +16,7 @@ def shortest_first(num_blocks: int = 64, budget: int = 64, batch_tokens: int = 8
                    threshold: int = 0) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
     order = ShortestFirst(batch_tokens, max_wait_s)
-    return Scheduler(SchedulerConfig(budget, 8, long_prefill_token_threshold=threshold, shortest_first=order), kv)
+    return Scheduler(SchedulerConfig(budget, 8, long_prefill_token_threshold=threshold, prompt_order=order), kv)
 
 
 def test_a_short_prompt_goes_before_the_rest_of_a_long_one_and_alone() -> None:
@@ -96,19 +95,13 @@ def test_two_chunked_prompts_that_fill_the_pool_both_finish() -> None:
     assert a.is_finished and b.is_finished and sched.num_preemptions == 1
 
 
-@pytest.mark.parametrize(("order", "device", "expected"), [
-    ("arrival", "cpu", None),
-    ("shortest", "cpu", CPU_BATCH_TOKENS),
-    ("shortest", "cuda", 2048),
-])
-def test_the_settings_choose_the_order_and_a_devices_batch(order: str, device: str, expected: int | None) -> None:
-    chosen = prompt_order_for(SchedulerSettings(prompt_order=order), device)
-    assert (chosen.batch_tokens if chosen else None) == expected
-    assert prompt_order_for(SchedulerSettings(prompt_batch_tokens=100), device).batch_tokens == 100
+@pytest.mark.parametrize(("device", "expected"), [("cpu", CPU_BATCH_TOKENS), ("cuda", 2048)])
+def test_a_devices_prompts_share_a_step_up_to_its_batch(device: str, expected: int) -> None:
+    assert ShortestFirst.for_device(device, 2048).batch_tokens == expected
 
 
 def test_bad_values_are_named() -> None:
-    with pytest.raises(ValueError, match="prompt_batch_tokens must be at least 1, got 0"):
+    with pytest.raises(ValueError, match="batch_tokens must be at least 1, got 0"):
         ShortestFirst(0, 1.0)
-    with pytest.raises(ValueError, match="max_prompt_wait_s must be positive, got 0"):
+    with pytest.raises(ValueError, match="max_wait_s must be positive, got 0"):
         ShortestFirst(8, 0.0)

@@ -1,4 +1,4 @@
-"""The step budget: a cost fitted to steps' work and times, and the prompt tokens that keep a step
+"""The step budget of the step policy: a cost fitted to steps' work and times, and the prompt tokens that keep a step
 beside decodes within the target; then in a real engine, a long prompt beside a decoding request."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.step_budget import (
+from shared.engine.policy.step_cost import (
     MIN_PROMPT_TOKENS, PROBE_PROMPT_TOKENS, SLACK, StepBudget, StepCost, attention_pairs,
 )
 from shared.model.loader import LoadedModel
-from shared.settings import EngineSettings, KVCacheSettings, ModelSettings
+from shared.settings import EngineSettings, KVCacheSettings, LatencyTargetSettings, ModelSettings
 
 TRUE_COST = StepCost(fixed_s=0.020, per_token_s=0.0002, per_pair_s=1e-7)
 
@@ -101,12 +101,16 @@ def test_the_cost_follows_a_slower_machine_within_its_window() -> None:
     assert budget.prompt_tokens(4, context=0) < fast
 
 
-def chunks_beside_a_decode(loaded_model: LoadedModel, step_target_ms: float | None) -> list[int]:
+def targets(itl_ms: float | None) -> LatencyTargetSettings | None:
+    return None if itl_ms is None else LatencyTargetSettings(itl_ms=itl_ms)
+
+
+def chunks_beside_a_decode(loaded_model: LoadedModel, itl_ms: float | None) -> list[int]:
     """The chunks a 400-token prompt is prefilled in beside a decoding request, checking that the
     decode gets its token every step."""
     engine = Engine(EngineSettings(
         model=ModelSettings(dtype="float32", device="cpu"), kv_cache=KVCacheSettings(memory_bytes=64 * 2**20),
-        step_target_ms=step_target_ms,
+        targets=targets(itl_ms),
     ), loaded_model)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     engine.add_request("decoding", list(range(100, 140)), params)
@@ -124,9 +128,9 @@ def chunks_beside_a_decode(loaded_model: LoadedModel, step_target_ms: float | No
 
 
 def test_an_engine_chunks_a_prompt_beside_decodes_only_under_a_target(loaded_model: LoadedModel) -> None:
-    assert chunks_beside_a_decode(loaded_model, step_target_ms=None) == [400]
+    assert chunks_beside_a_decode(loaded_model, itl_ms=None) == [400]
     # no step can end within 1 ms: every chunk is the least, or the probe while the cost is unknown
-    chunks = chunks_beside_a_decode(loaded_model, step_target_ms=1.0)
+    chunks = chunks_beside_a_decode(loaded_model, itl_ms=1.0)
     assert sum(chunks) == 400 and len(chunks) > 1
     assert all(chunk in (MIN_PROMPT_TOKENS, PROBE_PROMPT_TOKENS) for chunk in chunks[:-1])
 
@@ -136,7 +140,7 @@ def test_a_prompt_held_back_beside_decodes_is_named_and_takes_one_step_when_the_
 ) -> None:
     engine = Engine(EngineSettings(
         model=ModelSettings(dtype="float32", device="cpu"), kv_cache=KVCacheSettings(memory_bytes=64 * 2**20),
-        step_target_ms=1.0,
+        targets=targets(1.0),
     ), loaded_model)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     engine.add_request("decoding", list(range(100, 140)), params)
@@ -148,6 +152,8 @@ def test_a_prompt_held_back_beside_decodes_is_named_and_takes_one_step_when_the_
     assert engine.prompt_held_back() is long
     engine.step()  # a chunk
     assert 0 < long.num_computed_tokens < 400 and engine.prompt_held_back() is long
-    outputs = engine.step(stall_for=lambda prompt: prompt is long)
+    # the policy's judgement of the streams is its own test's (test_policy.py): here, that the engine heeds it
+    engine.policy.takes_whole_step = lambda prompt, waited_s, streams: prompt is long  # type: ignore[method-assign]
+    outputs = engine.step()
     assert {out.req_id for out in outputs} == {"decoding", "long"} and long.is_finished
     assert engine.prompt_held_back() is None

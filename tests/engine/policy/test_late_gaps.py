@@ -1,19 +1,12 @@
-"""LateGapLedger: a decode worker pauses its streams for a prompt only where every stream can take
-one more late gap and still meet its inter-token percentile, as the goodput benchmark reads it."""
+"""LateGapLedger: whether every stream can take one more late gap and still meet its inter-token
+percentile, as the goodput benchmark reads it (the policy's pauses and whole steps: test_policy.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.late_gaps import (
-    KEPT_FOR_LONG_PROMPTS,
-    PLANNED_RESERVE,
-    LateGapLedger,
-    PromptPauses,
-    WholePromptSteps,
-    late_gaps_allowed,
-)
+from shared.engine.policy.late_gaps import PLANNED_RESERVE, LateGapLedger, late_gaps_allowed
 
 TARGET_S = 0.1
 ON_TIME_S, LATE_S = 0.08, 2.0
@@ -65,23 +58,6 @@ def test_a_stream_affords_a_pause_that_keeps_one_for_later_once_it_could_take_tw
     # 30 gaps (one late) and the pause's: 3 late of 31 keep the p90 on time, so one more is left
     assert tokens == 30
     assert late_gaps_allowed(31, 90) == 3
-
-
-def test_a_prompt_is_paused_for_at_once_where_streams_spare_a_late_gap_else_once_it_has_run_long() -> None:
-    after_s = 0.3
-    pauses = PromptPauses(LateGapLedger(TARGET_S, 90), after_s=after_s, max_s=1.0)
-    now = 0.0
-    for _ in range(20):  # affords one late gap, none to keep (as above)
-        now = step(pauses.ledger, now, "a")
-    pauses.neighbour(now, has_work=True)
-    assert not pauses.due(now, unknown("a"))  # a prompt just started: the late gap is kept for a long one
-    assert pauses.due(now + after_s, unknown("a"))  # it has run long: it gets the pause
-    pauses.neighbour(now, has_work=False)  # it ended without one
-    for _ in range(10):  # 30 tokens: affords one late gap and keeps KEPT_FOR_LONG_PROMPTS
-        now = step(pauses.ledger, now, "a")
-    assert KEPT_FOR_LONG_PROMPTS == 1
-    pauses.neighbour(now, has_work=True)
-    assert pauses.due(now, unknown("a"))
 
 
 def test_every_stream_held_must_afford_it_and_one_never_seen_cannot() -> None:
@@ -173,20 +149,6 @@ def test_each_late_gap_no_pause_caused_keeps_one_more_in_reserve() -> None:
     assert pauses_left(2) == 2
 
 
-def test_a_pause_goes_on_for_a_request_committed_meanwhile_only_where_it_can_be_its_first_gap() -> None:
-    pauses = PromptPauses(LateGapLedger(TARGET_S, 90), after_s=0.3, max_s=1.0)
-    now = 0.0
-    for _ in range(40):
-        now = step(pauses.ledger, now, "a")
-    pauses.neighbour(now, has_work=True)
-    assert pauses.due(now, {"a": 0})
-    paused = frozenset({"a"})
-    assert pauses.goes_on({"a": 0}, paused)
-    assert pauses.goes_on({"a": 0, "b": 96}, paused)  # its first gap counts as late already
-    assert not pauses.goes_on({"a": 0, "b": 96, "c": 0}, paused)  # may end at any token: none to spare
-    assert not pauses.goes_on({"a": 0, "c": 10}, paused)  # 9 gaps: none may be late
-
-
 def test_a_colocated_stream_has_no_gap_before_its_first_token() -> None:
     ledger = LateGapLedger(TARGET_S, 90, first_token_seen=True)
     now = step(ledger, 0.0, "a")
@@ -196,20 +158,3 @@ def test_a_colocated_stream_has_no_gap_before_its_first_token() -> None:
         tokens += 1
     # 10 gaps, all on time, and the pause's: 1 late of 11 keeps the p90 on time (20 tokens above)
     assert tokens == 11
-
-
-def test_a_whole_prompt_step_keeps_a_late_gap_for_a_prompt_that_has_not_waited() -> None:
-    after_s = 0.3
-    whole = WholePromptSteps(LateGapLedger(TARGET_S, 90, first_token_seen=True), after_s)
-    now = 0.0
-    for _ in range(11):  # affords one late gap, none to keep (as above)
-        now = step(whole.ledger, now, "a")
-    assert not whole.due(0.0, unknown("a"))  # a prompt just come: the late gap is kept for one that waits
-    assert whole.due(after_s, unknown("a"))
-    now += 2.0
-    whole.ledger.tokens(now, ["a"])  # the stall's gap: late, planned
-    assert not whole.due(after_s, unknown("a"))
-    for _ in range(10):
-        now = step(whole.ledger, now, "a")
-    assert whole.due(after_s, unknown("a"))  # 21 gaps, 1 late: this one's makes 2 of 22
-    assert not whole.due(after_s, {})  # no stream to stall for

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.pacing import MIN_PAUSE_S, SLACK, StepPacer
+from shared.engine.policy.pacing import MIN_PAUSE_S, SLACK, StepPacer
 
 TARGET_S = 0.2
 

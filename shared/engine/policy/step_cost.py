@@ -22,8 +22,8 @@ past the target, and more of the gaps a client sees, which also hold the worker'
 steps. So a step aims below the target by the OVERRUN_QUANTILE of the recent steps' residuals
 too: there the steps took 71 / 79 / 90 ms, 2.6% past the target. Through a colocated stack at
 1.5 req/s the requests meeting the p90 gap target went from 81% to 97-98%, and, the chunks being
-smaller, those meeting the TTFT target from 86% to 63-76% (docs/benchmarks.md, machine Y): the
-trade the target asks for, which `fit_steps_to_itl_target` turns off.
+smaller, those meeting the TTFT target from 86% to 63-76%, as many meeting both as without the
+budget: the trade the inter-token target asks for (docs/scheduling.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which prompt a step serves first: in arrival order, or the one with the fewest tokens left.
+"""Which prompt a step serves first: the one with the fewest tokens left.
 
 On a CPU a prefill step is bound by its arithmetic from a few dozen tokens on: a 1,024-token
 prompt takes 2.1 s on two Zen 2 cores in float32 and a 64-token one 0.14 s, and the two in one
@@ -9,10 +9,10 @@ time, which minimises the mean wait of a single server) and letting a step take 
 while they stay small beside the first, a short prompt waits at most for the step in flight.
 On those cores, under Poisson arrivals of a chat mix (bench/goodput.py, TTFT target 2.5 s), this
 order met the targets for 4-20 more requests in 100 than arrival order at 0.4-0.7 req/s in two
-pairs of runs; below that, for 4-16 more in one pair and 3 fewer in the other (docs/benchmarks.md,
-machine T).
+pairs of runs, and arrival order was never ahead by more than 3, within the runs' noise: so it is
+the only order (docs/scheduling.md).
 
-A prompt that has waited `max_wait_s` goes ahead of shorter ones, in arrival order, so that long
+A prompt that has waited MAX_PROMPT_WAIT_S goes ahead of shorter ones, in arrival order, so that long
 prompts are not starved while short ones keep coming.
 """
 
@@ -22,25 +22,33 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shared.engine.request import Request
-from shared.settings import SchedulerSettings
 
 # prompt tokens from which a CPU prefill step is bound by its arithmetic: 64 float32 tokens take
 # 142 ms on two Zen 2 cores, of which about 11 ms does not grow with the tokens
 CPU_BATCH_TOKENS = 64
+# a prompt that has waited this long goes first: long enough that short prompts rarely wait behind
+# it, short enough to bound a long prompt's wait under a stream of short ones
+MAX_PROMPT_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class ShortestFirst:
-    """The order and the step-sharing rule of the "shortest" prompt order."""
+    """The prompts' order and the rule by which they share a step."""
 
     batch_tokens: int  # prompts share a step only while their tokens stay within this or the first one's share
-    max_wait_s: float
+    max_wait_s: float = MAX_PROMPT_WAIT_S
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1:
-            raise ValueError(f"prompt_batch_tokens must be at least 1, got {self.batch_tokens}")
+            raise ValueError(f"batch_tokens must be at least 1, got {self.batch_tokens}")
         if self.max_wait_s <= 0:
-            raise ValueError(f"max_prompt_wait_s must be positive, got {self.max_wait_s}")
+            raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
+
+    @classmethod
+    def for_device(cls, device_type: str, max_num_batched_tokens: int) -> ShortestFirst:
+        """On a CPU prompts share a step up to CPU_BATCH_TOKENS; on a GPU, whose steps are not bound by
+        their arithmetic until far more tokens, up to the step's whole budget."""
+        return cls(CPU_BATCH_TOKENS if device_type == "cpu" else max_num_batched_tokens)
 
     def order(self, prompts: Iterable[Request], tokens_left: Callable[[Request], int], now: float) -> list[Request]:
         """Prompts that waited too long first, oldest first; then the fewest tokens left first,
@@ -56,13 +64,3 @@ class ShortestFirst:
     def step_prompt_tokens(self, first_share: int) -> int:
         """Prompt tokens a step may take in all, given what its first prompt takes."""
         return max(first_share, self.batch_tokens)
-
-
-def prompt_order_for(settings: SchedulerSettings, device_type: str) -> ShortestFirst | None:
-    """The scheduler's prompt order from its settings on this device; None: arrival order."""
-    if settings.prompt_order == "arrival":
-        return None
-    batch_tokens = settings.prompt_batch_tokens
-    if batch_tokens is None:
-        batch_tokens = CPU_BATCH_TOKENS if device_type == "cpu" else settings.max_num_batched_tokens
-    return ShortestFirst(batch_tokens, settings.max_prompt_wait_s)
