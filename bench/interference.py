@@ -54,7 +54,8 @@ from bench.stack_harness import (
     write_figure,
     write_result,
 )
-from services.launcher import Stack, StackConfig, StackError
+from services.launcher import Stack, StackConfig
+from services.launcher.redis_server import StackError
 from shared.settings import parse_cpu_list
 
 MODES = ("disaggregated", "colocated")

@@ -47,7 +47,8 @@ from bench.serving.workload import (
     warmup_requests,
 )
 from bench.stack_harness import run_load, stack_config, vocab_ids, write_result
-from services.launcher import Stack, free_port
+from services.launcher import Stack
+from services.launcher.redis_server import free_port
 from shared.engine.engine import resolve_dtype
 from shared.model.paths import resolve_model_path
 

@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from services.launcher import RedisServer  # noqa: E402
+from services.launcher.redis_server import RedisServer  # noqa: E402
 from shared.model.loader import LoadedModel, load_model  # noqa: E402
 from shared.model.paths import default_model_path  # noqa: E402
 

@@ -20,8 +20,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from services.runtime.intake import add_to_engine, finish_early, refusal
 from services.prefill.tracked import entry_time
+from services.runtime.intake import add_to_engine, finish_early, refusal
 from services.runtime.token_stream import Active, TokenStream
 from services.runtime.worker import Ack
 from shared.engine.engine import RequestOutput

@@ -25,7 +25,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-
 import torch
 
 from services.decode.local_prefill import LocalPrefill

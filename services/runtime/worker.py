@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 from aiohttp import web
 from redis.exceptions import ResponseError
 
+from services.kv_transfer import kv_transports
 from services.runtime.engine_thread import EngineThread
 from services.runtime.health import create_health_app
 from services.runtime.kv_events import KVEventPublisher, KVEventSource
-from services.kv_transfer import kv_transports
 from services.runtime.malloc_tuning import keep_freed_memory
 from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,10 +18,10 @@ from torch.profiler import record_function
 
 from kernels.kv_quant import KVFormat, kv_format
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
-from shared.engine.request import ReqId, Request, RequestStatus
-from shared.engine.sampling_params import SamplingParams
 from shared.engine.policy import StepPolicy
 from shared.engine.policy.step_cost import attention_pairs
+from shared.engine.request import ReqId, Request, RequestStatus
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model

@@ -9,7 +9,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from services.launcher import RedisServer, Stack
+from services.launcher import Stack
+from services.launcher.redis_server import RedisServer
 from tests.services.stack_client import REDIS_URL
 
 

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from services.launcher.redis_server import find_redis_server, free_port
 from shared.protocol import Cancel
 from shared.settings import RedisSettings
 from shared.streams import Bus
-
-from services.launcher import find_redis_server, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

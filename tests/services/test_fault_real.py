@@ -18,13 +18,8 @@ import pytest
 import redis
 from openai import APIError, OpenAI
 
-from services.launcher import (
-    RedisServer,
-    Stack,
-    StackConfig,
-    find_redis_server,
-    free_port,
-)
+from services.launcher import RedisServer, Stack, StackConfig, free_port
+from services.launcher.redis_server import find_redis_server
 from shared.protocol import Cancel
 from shared.settings import RedisSettings
 from shared.streams import PREFILL_GROUP, Bus

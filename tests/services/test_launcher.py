@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import redis
 
-from services import launcher
-from services.launcher import RedisServer, Stack, StackConfig, StackError, find_redis_server, free_port
+from services.launcher import Stack, StackConfig, redis_server
+from services.launcher.redis_server import RedisServer, StackError, find_redis_server, free_port
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.protocol import GenerateRequest, encode
@@ -68,7 +68,7 @@ def test_a_private_redis_whose_port_was_taken_meanwhile_starts_on_another(monkey
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         ports = iter([port])
-        monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(ports, None) or free_port(host))
+        monkeypatch.setattr(redis_server, "free_port", lambda host="127.0.0.1": next(ports, None) or free_port(host))
         server = RedisServer()
         try:
             assert server.port == port

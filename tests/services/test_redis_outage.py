@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway.app import create_app
-from services.launcher import RedisServer
+from services.launcher.redis_server import RedisServer
 from shared.protocol import Cancel, GenerateRequest
 from shared.settings import GatewayServiceSettings, RedisSettings
 from shared.streams import Bus, with_backoff

@@ -19,7 +19,8 @@ from openai import APIStatusError, OpenAI
 
 from bench.stack_harness import scrape_metrics
 from services.gateway.kv_feed import SNAPSHOT_POLL_S
-from services.launcher import RedisServer, Stack, StackConfig
+from services.launcher import Stack, StackConfig
+from services.launcher.redis_server import RedisServer
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.model.paths import default_model_path

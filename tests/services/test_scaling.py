@@ -10,7 +10,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from services.launcher import Stack, apply_command
+from services.launcher import Stack
+from services.launcher.cli import apply_command
 from shared.streams import PREFILL_GROUP
 from tests.services.stacks import FAST_HEARTBEAT, running_stack, worker_tokens
 from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until

@@ -19,12 +19,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.decode.reservation import Reservation
 from services.decode.worker import DecodeWorker
-from services.runtime.engine_thread import EngineThread
-from services.runtime.health import create_health_app
 from services.kv_transfer import RedisKVConnector
-from services.launcher import RedisServer, Stack, StackConfig, free_port
+from services.launcher import Stack, StackConfig
+from services.launcher.redis_server import RedisServer, free_port
 from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.worker import PrefillWorker
+from services.runtime.engine_thread import EngineThread
+from services.runtime.health import create_health_app
 from services.runtime.worker import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats

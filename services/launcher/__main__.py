@@ -1,0 +1,5 @@
+import sys
+
+from services.launcher.cli import main
+
+sys.exit(main())
