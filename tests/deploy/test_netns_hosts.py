@@ -42,7 +42,7 @@ from shared.streams import Keys
 from shared.text.tokenizer import Tokenizer
 from tests.deploy.netns import Hosts, NetnsUnavailable
 from tests.services.stack_client import offline_greedy
-from tests.services.stacks import FAST_HEARTBEAT, live_workers
+from tests.services.stacks import FAST_HEARTBEAT, live_workers, request_holders
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -304,7 +304,7 @@ class Fault:
 
     def _on_chunk(self, num_chunks: int) -> None:
         if num_chunks == FAULT_AT_CHUNK:
-            holders = [s.worker_id for s in self.net.live("decode") if s.num_running > 0]
+            holders = request_holders(self.net.rds, self.net.keys, "decode")  # waits for a heartbeat showing it
             self.holder = holders[0] if len(holders) == 1 else ""
             self.at_chunk.set()
 
