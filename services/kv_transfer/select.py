@@ -67,8 +67,10 @@ class KVTransports:
         self.sender = TcpSender()
         self.layer_stream = LayerStream
         self.receiver: TcpReceiver | None = None
-        self.nixl = nixl_transport(settings, worker_id)
-        self.host = advertised_host(settings) if self.speaks_tcp else ""
+        redis_host = str(redis.redis.connection_pool.connection_kwargs.get("host", ""))
+        address = advertised_host(settings, redis_host) if settings.kv_transport in ("auto", "tcp", "nixl") else ""
+        self.nixl = nixl_transport(settings, worker_id, address)
+        self.host = address if self.speaks_tcp else ""
         self.port: int | None = None  # the data port where this worker receives KV, once open
         self.streams_layers = False  # sends long prompts' KV layer by layer (tcp_layers.py); see use_pool
         self._warned: set[str] = set()
@@ -259,19 +261,41 @@ class KVTransports:
             await self._at(location).discard(location)
 
 
-def advertised_host(settings: WorkerSettings) -> str:
-    """The address other workers reach this one at, and see its connections come from, as an IP."""
+def advertised_host(settings: WorkerSettings, redis_host: str = "") -> str:
+    """The address other workers reach this one at, and see its connections come from, as an IP.
+    Listening on every address (0.0.0.0) with none advertised: this host's own (`host_address`)."""
     host = settings.kv_tcp_advertise or settings.kv_tcp_host
     if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostname()
+        return host_address(redis_host)
     try:
         return socket.gethostbyname(host)
     except OSError as e:
         raise ValueError(f"the KV address {host!r} does not resolve ({e}); set LLMD_WORKER__KV_TCP_ADVERTISE") from e
 
 
-def nixl_transport(settings: WorkerSettings, worker_id: str) -> NixlTransport | None:
-    """NIXL where it is installed and not ruled out by a forced transport; forced without it: an error."""
+def host_address(redis_host: str) -> str:
+    """What the host's name resolves to, unless that is a loopback address, as /etc/hosts makes it on
+    many machines (127.0.1.1 on Debian, 127.0.0.1 on some VMs): then the address this host reaches
+    Redis from, which every worker reaches, so other hosts reach this one at it too."""
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        address = ""
+    if address and not ipaddress.ip_address(address).is_loopback:
+        return address
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(redis_host or "127.0.0.1"), 9))  # picks the route; sends nothing
+            return str(probe.getsockname()[0])
+    except OSError as e:
+        raise ValueError(f"this host's name {name!r} resolves to {address or 'nothing'} and no route to Redis at "
+                         f"{redis_host!r} shows its address ({e}); set LLMD_WORKER__KV_TCP_ADVERTISE") from e
+
+
+def nixl_transport(settings: WorkerSettings, worker_id: str, address: str) -> NixlTransport | None:
+    """NIXL where it is installed and not ruled out by a forced transport; forced without it: an error.
+    `address`: this worker's advertised one (`advertised_host`)."""
     if settings.kv_transport not in ("auto", "nixl"):
         return None
     if nixl_api() is None:
@@ -281,7 +305,7 @@ def nixl_transport(settings: WorkerSettings, worker_id: str) -> NixlTransport | 
         return None
     # like the data port: on loopback unless the deployment opens its KV address to the network
     # (UCX would otherwise listen on every interface)
-    loopback = ipaddress.ip_address(advertised_host(settings)).is_loopback
+    loopback = ipaddress.ip_address(address).is_loopback
     return NixlTransport(worker_id, settings.handoff_timeout_s, devices="lo" if loopback else "")
 
 
