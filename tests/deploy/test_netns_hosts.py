@@ -33,7 +33,7 @@ import redis
 from openai import OpenAI
 
 from bench.stack_harness import scrape_metrics
-from shared.disk_cache import cache_dir
+from kernels.disk_cache import cache_dir
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.model.paths import default_model_path
