@@ -14,18 +14,8 @@ from services.gateway.body import read_body
 from services.gateway.context import GATEWAY
 from services.gateway.formats import CHAT, COMPLETION, ResponseFormat
 from services.gateway.generation import Generation
-from services.gateway.openai_schema import (
-    SSE_DONE,
-    ApiError,
-    ChatCompletionRequest,
-    Choice,
-    CompletionRequest,
-    PositionLogprobs,
-    ResponseMeta,
-    error_body,
-    parse_request,
-    sse_event,
-)
+from services.gateway.openai_responses import SSE_DONE, Choice, PositionLogprobs, ResponseMeta, sse_event
+from services.gateway.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, error_body, parse_request
 from services.gateway.planner import ApiRequest, PromptLimits, plan_choices
 from services.gateway.prompts import encode_chat, encode_prompts
 from services.gateway.structured import checked_constraint

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from services.gateway.generation import ChoiceDelta
-from services.gateway.openai_schema import (
+from services.gateway.openai_responses import (
     Choice,
     ResponseMeta,
     Usage,

@@ -19,7 +19,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from services.gateway.inflight import InflightRequest
-from services.gateway.openai_schema import ApiError, FinishReason, PositionLogprobs, TokenLogprob, Usage
+from services.gateway.openai_responses import PositionLogprobs, TokenLogprob, Usage
+from services.gateway.openai_schema import ApiError, FinishReason
 from services.gateway.planner import PlannedChoice
 from shared.protocol import TokenUpdate
 from shared.text.detokenizer import IncrementalDetokenizer

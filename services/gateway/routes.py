@@ -7,13 +7,8 @@ from aiohttp import web
 from services.gateway import api
 from services.gateway.body import read_body
 from services.gateway.context import GATEWAY, Gateway
-from services.gateway.openai_schema import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    check_token_ids,
-    models_body,
-    parse_request,
-)
+from services.gateway.openai_responses import models_body
+from services.gateway.openai_schema import DetokenizeRequest, TokenizeRequest, check_token_ids, parse_request
 from services.gateway.prompts import encode_chat, encode_text
 from shared.streams import REDIS_ERRORS, STAGE_ROLES
 

@@ -21,11 +21,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.generation import ChoiceDelta
 from services.gateway.formats import ChatFormat
-from services.gateway.openai_schema import (
-    ApiError,
-    ChatCompletionRequest,
+from services.gateway.generation import ChoiceDelta
+from services.gateway.openai_responses import (
     Choice,
     ResponseMeta,
     Usage,
@@ -33,6 +31,7 @@ from services.gateway.openai_schema import (
     chat_completion_body,
     chat_logprobs,
 )
+from services.gateway.openai_schema import ApiError, ChatCompletionRequest
 from services.gateway.structured import checked_schema
 from shared.engine.constraint import StructuredSpec
 

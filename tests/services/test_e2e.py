@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from services.gateway.openai_schema import token_text
+from services.gateway.openai_responses import token_text
 from services.launcher import Stack
 from shared.engine.llm import LLM, CompletionOutput
 from shared.engine.sampling_params import SamplingParams

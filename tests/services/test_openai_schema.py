@@ -9,12 +9,9 @@ from openai._streaming import SSEDecoder
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from services.gateway.openai_schema import (
+from services.gateway.openai_responses import (
     SSE_DONE,
-    ApiError,
-    ChatCompletionRequest,
     Choice,
-    CompletionRequest,
     PositionLogprobs,
     ResponseMeta,
     TokenLogprob,
@@ -24,18 +21,23 @@ from services.gateway.openai_schema import (
     chat_first_chunk,
     chat_logprobs,
     chat_usage_chunk,
-    check_context_length,
-    check_token_ids,
     completion_body,
     completion_chunk,
     completion_logprobs,
     completion_usage_chunk,
-    error_body,
     models_body,
-    parse_request,
     sse_event,
-    to_sampling_params,
     token_text,
+)
+from services.gateway.openai_schema import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_context_length,
+    check_token_ids,
+    error_body,
+    parse_request,
+    to_sampling_params,
 )
 from shared.engine.sampling_params import SamplingParams
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from services.gateway.generation import ChoiceDelta
-from services.gateway.openai_schema import ApiError, ChatCompletionRequest, Choice, ResponseMeta, Usage
+from services.gateway.openai_responses import Choice, ResponseMeta, Usage
+from services.gateway.openai_schema import ApiError, ChatCompletionRequest
 from services.gateway.structured import requested_spec
 from services.gateway.tools import ToolChatFormat, ToolPlan, plan_tools
 from shared.engine.constraint import StructuredSpec
