@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from services.runtime.engine_thread import EngineThread
 from services.gateway.context import GATEWAY
 from services.prefill.worker import PrefillWorker
+from services.runtime.engine_thread import EngineThread
 from services.runtime.worker import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats
+from shared.engine.policy import StepPolicy
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol import (
     GenerateRequest,
@@ -26,8 +27,7 @@ from shared.protocol import (
 )
 from shared.settings import RedisSettings, WorkerServiceSettings, WorkerSettings
 from shared.streams import PREFILL_GROUP, Bus
-from tests.services.stack_client import REDIS_URL
-from tests.services.test_gateway import (  # noqa: F401 (fixtures)
+from tests.services.gateway_harness import (  # noqa: F401 (fixtures)
     WORLD,
     FakeWorker,
     Start,
@@ -39,6 +39,7 @@ from tests.services.test_gateway import (  # noqa: F401 (fixtures)
     tokenizer,
     worker,
 )
+from tests.services.stack_client import REDIS_URL
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,6 +52,7 @@ class FakeEngine:
         self.admit_delay_s = admit_delay_s
         self.num_steps = 0
         self.num_waiting = 0
+        self.policy = StepPolicy(None, "cpu", max_num_batched_tokens=2048)  # no targets: decides nothing
 
     def stats(self) -> EngineStats:
         return EngineStats(0, self.num_waiting, 0, KVCacheStats(8, 0, 0, 8, 0, 0, 0, 0))

@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from shared.protocol import GenerateRequest, TokenBatch, TokenUpdate
 from shared.streams import REDIS_ERRORS, Bus, with_backoff
-
-from tests.services.test_gateway import MODEL, WORLD, Start, bus, namespace, post, start, tokenizer  # noqa: F401
+from tests.services.gateway_harness import MODEL, WORLD, Start, bus, namespace, post, start, tokenizer  # noqa: F401
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ from shared.protocol import Cancel, GenerateRequest
 from shared.settings import GatewayServiceSettings, RedisSettings
 from shared.streams import Bus, with_backoff
 from shared.text.tokenizer import Tokenizer
-from tests.services.test_gateway import (
+from tests.services.gateway_harness import (
     BANG,
     WORLD,
     FakeWorker,

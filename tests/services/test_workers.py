@@ -29,6 +29,7 @@ from services.runtime.health import create_health_app
 from services.runtime.worker import Worker
 from shared.engine.engine import EngineStats, RequestOutput
 from shared.engine.kv_cache_manager import KVCacheStats
+from shared.engine.policy import StepPolicy
 from shared.engine.request import ReqId
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
@@ -343,11 +344,12 @@ def _status(statuses: list[WorkerStatus], worker_id: str) -> WorkerStatus:
 
 
 class FakeEngine:
-    """Just what EngineThread reads: stats and a step."""
+    """Just what EngineThread reads: stats, a step and the step policy."""
 
     def __init__(self) -> None:
         self.num_steps = 0
         self.num_waiting = 0
+        self.policy = StepPolicy(None, "cpu", max_num_batched_tokens=2048)  # no targets: decides nothing
 
     def stats(self) -> EngineStats:
         return EngineStats(0, self.num_waiting, 0, KVCacheStats(8, 0, 0, 8, 0, 0, 0, 0))
