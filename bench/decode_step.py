@@ -4,8 +4,9 @@
 
 For each batch size: prefill that many random prompts of `--context` tokens, then time decode
 steps (best of 5) and print tokens/s, and the share of a step in each of its phases (the
-profiler ranges Engine.step names: scheduling, input preparation, the layers, the LM head,
-sampling, the scheduler's update), and so the share outside the model's own operators. For the
+engine's own counters, shared/engine/step_phases.py: scheduling, input preparation, the layers,
+the LM head, sampling, the scheduler's update, the outputs), and so the share outside the model's
+own operators. For the
 largest batch, print the torch profiler's top operators by self CPU time. `--float32-linears`
 drops the GGUF's block copies of the weights, so every linear layer runs on the float32 ones
 (the step as it was before `kernels.quantized_linear`).
@@ -23,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.step_phases import FORWARD, LOGITS, PHASES
 from shared.model.loader import LoadedModel, load_model
-from shared.model.runner import PHASE_FORWARD, PHASE_LOGITS, STEP_PHASES
 from shared.settings import EngineSettings, KVCacheSettings, ModelSettings, SchedulerSettings
 
 
@@ -64,12 +65,11 @@ def best_step_seconds(engine: Engine, repeats: int = 5) -> float:
 
 
 def phase_ms(engine: Engine, steps: int = 3) -> dict[str, float]:
-    """Milliseconds per step in each named phase of Engine.step, from the torch profiler."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-    totals = {event.key: event.cpu_time_total for event in prof.key_averages() if event.key in STEP_PHASES}
-    return {phase: totals.get(phase, 0.0) / 1e3 / steps for phase in STEP_PHASES}
+    """Milliseconds per step in each phase of Engine.step, from the engine's own counters."""
+    before = dict(engine.phases.seconds)
+    for _ in range(steps):
+        engine.step()
+    return {phase: (engine.phases.seconds[phase] - before[phase]) * 1e3 / steps for phase in PHASES}
 
 
 def main() -> None:
@@ -85,16 +85,15 @@ def main() -> None:
     if args.float32_linears:
         loaded = dataclasses.replace(loaded, quantized={})
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    short = {phase: phase.removeprefix("llmd::") for phase in STEP_PHASES}
-    print(f"| batch | step ms | tokens/s | {' | '.join(short.values())} | outside the model |")
-    print("|---" * (len(STEP_PHASES) + 4) + "|")
+    print(f"| batch | step ms | tokens/s | {' | '.join(PHASES)} | outside the model |")
+    print("|---" * (len(PHASES) + 4) + "|")
     for bs in batch_sizes:
         engine = decode_engine(loaded, args.dtype, bs, args.context)
         seconds = best_step_seconds(engine)
         phases = phase_ms(engine)
         step_ms = sum(phases.values())
         # what the model's own operators (the layers and the LM head) do not account for
-        outside = 1 - (phases[PHASE_FORWARD] + phases[PHASE_LOGITS]) / step_ms
+        outside = 1 - (phases[FORWARD] + phases[LOGITS]) / step_ms
         shares = " | ".join(f"{100 * ms / step_ms:.1f}%" for ms in phases.values())
         print(f"| {bs} | {seconds * 1e3:.1f} | {bs / seconds:.0f} | {shares} | {100 * outside:.1f}% |")
     with profile(activities=[ProfilerActivity.CPU]) as prof:

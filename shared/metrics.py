@@ -7,10 +7,12 @@ live in one process in tests without their series colliding.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily
 
 if TYPE_CHECKING:  # the gateway imports this module too, and has no use for torch
     from shared.engine.engine import EngineStats
@@ -18,6 +20,26 @@ if TYPE_CHECKING:  # the gateway imports this module too, and has no use for tor
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LABELS = ("model_name", "worker_id")
 KV_TRANSPORTS = ("shm", "nixl", "tcp", "redis")  # the `transport` label of llmd_handoff_bytes (services/kv_transfer)
+
+
+class PhaseSeconds:
+    """A counter family `NAME_total{phase=...}` read at scrape time from running totals of seconds
+    per phase that the code keeps anyway (an engine's `StepPhases`, a gateway's delivery loop), so
+    the hot path never touches a Prometheus object."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str, labels: Mapping[str, str]) -> None:
+        self._name, self._doc, self._labels = name, doc, dict(labels)
+        self._read: Callable[[], Mapping[str, float]] = dict
+        registry.register(self)
+
+    def track(self, read: Callable[[], Mapping[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._doc, labels=[*self._labels, "phase"])
+        for phase, seconds in list(self._read().items()):
+            family.add_metric([*self._labels.values(), phase], seconds)
+        yield family
 
 
 class WorkerMetrics:
@@ -92,6 +114,12 @@ class WorkerMetrics:
             "after the step before: the step outran the pacer's estimate by more than its slack. Beside the "
             "gateway's vllm:inter_token_latency_seconds, tells the pacer's late gaps from the delivery's."
         )
+        self.engine_phases = PhaseSeconds(
+            self.registry, "llmd_engine_phase_seconds", "Seconds the engine's steps spent in each phase (schedule, "
+            "prepare, forward, logits, sample, update, outputs; shared/engine/step_phases.py).", labels,
+        )
+        # a running total read at scrape time, beside the phases: their seconds per step
+        self.engine_steps = gauge("llmd_engine_steps", "Engine steps that computed something, since the start.")
         self._last_stats: EngineStats | None = None
         self._lent_s = 0.0
         self._stream_pauses = 0
@@ -107,6 +135,10 @@ class WorkerMetrics:
         self.prefix_cache_hits.inc(stats.kv.prefix_hits - (last.kv.prefix_hits if last else 0))
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last_stats = stats
+
+    def track_engine_steps(self, phase_seconds: Callable[[], Mapping[str, float]], num_steps: Callable[[], int]) -> None:
+        self.engine_phases.track(phase_seconds)
+        self.engine_steps.set_function(num_steps)
 
     def observe_pacing(self, lent_s: float, stream_pauses: int, paced_steps: int, paced_steps_late: int) -> None:
         """The engine thread's running totals of time lent, pauses and planned steps."""

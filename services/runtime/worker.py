@@ -196,6 +196,7 @@ class Worker:
         logger.info("%s worker %s: loading %s", self.role, self.worker_id, self.settings.model.path)
         engine = await self.engine.load(self.settings)
         self.kv.use_pool(engine.kv_pool_view(), engine.kv_block_views)
+        self.metrics.track_engine_steps(lambda: engine.phases.seconds, lambda: engine.num_steps)
         self.engine_loaded()
         stats = self.engine.stats
         assert stats is not None

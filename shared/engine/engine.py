@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from torch.profiler import record_function
 
 from kernels.kv_quant import KVFormat, kv_format
 from shared.engine.kv_cache_manager import KVCacheManager, KVCacheStats
@@ -25,7 +24,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shared.model.llama import LlamaModel
 from shared.model.loader import LoadedModel, load_model
-from shared.model.runner import PHASE_SCHEDULE, PHASE_UPDATE, ModelRunner, kv_block_bytes
+from shared.engine.step_phases import OUTPUTS, SCHEDULE, UPDATE, StepPhases
+from shared.model.runner import ModelRunner, kv_block_bytes
 from shared.settings import EngineSettings
 
 if TYPE_CHECKING:  # xgrammar and transformers load with the first constrained request, not at start
@@ -167,7 +167,9 @@ class Engine:
                             sched.kv_reservation, sched.long_prefill_token_threshold, self.policy.order),
             self.kv_cache,
         )
-        self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt)
+        self.phases = StepPhases()
+        self.runner = ModelRunner(model, num_blocks, kv.block_size, self.max_model_len, sched.max_num_seqs, kv_fmt,
+                                  self.phases)
         self._requests: dict[ReqId, Request] = {}
         self._importing: dict[ReqId, Request] = {}
         self._rng = random.Random()
@@ -275,8 +277,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step, its prompt tokens capped beside running decodes as `policy` decides."""
         started = time.perf_counter()
-        with record_function(PHASE_SCHEDULE):
-            plan = self.scheduler.schedule(self._prompt_cap())
+        phases = self.phases
+        phases.start()
+        plan = self.scheduler.schedule(self._prompt_cap())
+        phases.lap(SCHEDULE)
         if plan.is_empty:
             return []
         self.step_plan = plan
@@ -284,15 +288,17 @@ class Engine:
             result = self.runner.execute(plan)
         finally:
             self.step_plan = None
-        with record_function(PHASE_UPDATE):
-            sampled = self.scheduler.update(plan, result)
+        sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
         if self.policy.budget is not None:
             # after the update: each request's context before this step is its count less what it computed
             pairs = sum(attention_pairs(n, req.num_computed_tokens - n)
                         for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
             self.policy.observe_step(plan.num_tokens, pairs, time.perf_counter() - started)
-        return [self._output(req) for req in sampled]
+        phases.lap(UPDATE)
+        outputs = [self._output(req) for req in sampled]
+        phases.lap(OUTPUTS)
+        return outputs
 
     def prompt_held_back(self) -> Request | None:
         """The prompt the next step serves first where the policy's cap, beside running decodes, lets it

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from kernels import cpu_attention, cpu_layer_ops
 from kernels.kv_quant import KVFormat, unscaled_format
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
+from shared.engine.step_phases import FORWARD, LOGITS, PREPARE, SAMPLE, StepPhases
 from shared.model.config import ModelConfig
 from shared.model.cuda_graphs import DecodeGraphs
 from shared.model.huge_pages import huge_zeros
@@ -21,14 +21,6 @@ from shared.model.llama import AttentionMetadata, LlamaModel
 
 logger = logging.getLogger(__name__)
 
-# profiler ranges of one engine step, in order; Engine.step adds the first and the last
-PHASE_SCHEDULE = "llmd::schedule"
-PHASE_PREPARE = "llmd::prepare_inputs"
-PHASE_FORWARD = "llmd::forward"
-PHASE_LOGITS = "llmd::lm_head"
-PHASE_SAMPLE = "llmd::sample"
-PHASE_UPDATE = "llmd::update"
-STEP_PHASES = (PHASE_SCHEDULE, PHASE_PREPARE, PHASE_FORWARD, PHASE_LOGITS, PHASE_SAMPLE, PHASE_UPDATE)
 
 
 @dataclass(slots=True)
@@ -49,10 +41,11 @@ def kv_block_bytes(config: ModelConfig, block_size: int, kv_format: KVFormat | t
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-        kv_format: KVFormat | None = None,
+        kv_format: KVFormat | None = None, phases: StepPhases | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
+        self.phases = phases or StepPhases()
         self.block_size = block_size
         self.kv_format = kv_format or unscaled_format(model.dtype)
         self.sampler = Sampler()
@@ -85,33 +78,31 @@ class ModelRunner:
         return self.model.device
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        # the named ranges show in torch.profiler traces (bench.decode_step reports them)
-        with record_function(PHASE_PREPARE):
-            inputs = self.prepare_inputs(batch)
+        phases = self.phases
+        inputs = self.prepare_inputs(batch)
         meta = inputs.meta
-        with record_function(PHASE_FORWARD):
-            if self.graphs is not None and self.graphs.can_run(
-                len(batch.reqs), meta.max_query_len, meta.block_tables.shape[1]
-            ):
-                hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-            else:
-                hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache, self.kv_format)
+        phases.lap(PREPARE)
+        if self.graphs is not None and self.graphs.can_run(len(batch.reqs), meta.max_query_len, meta.block_tables.shape[1]):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache, self.kv_format)
+        phases.lap(FORWARD)
         sampling_reqs = [req for i, req in enumerate(batch.reqs) if batch.samples(i)]
         if not sampling_reqs:
             return StepResult(token_ids=[])
-        with record_function(PHASE_LOGITS):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
-        with record_function(PHASE_SAMPLE):
-            rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
-            vocab_size = self.model.config.vocab_size
-            masks = None
-            if any(r.grammar is not None for r in sampling_reqs):
-                # xgrammar loads with the first constrained request, not at a worker's start
-                from shared.engine.structured import token_masks
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling_reqs, vocab]
+        phases.lap(LOGITS)
+        rows = [SamplingInput(r.params, r.seed, r.prompt_token_ids, r.output_token_ids) for r in sampling_reqs]
+        vocab_size = self.model.config.vocab_size
+        masks = None
+        if any(r.grammar is not None for r in sampling_reqs):
+            # xgrammar loads with the first constrained request, not at a worker's start
+            from shared.engine.structured import token_masks
 
-                masks = token_masks([r.grammar for r in sampling_reqs], vocab_size)
-            sampling = build_sampling_batch(rows, sampling_reqs[0].eos_token_ids, vocab_size, self.device, masks)
-            out = self.sampler(logits, sampling)
+            masks = token_masks([r.grammar for r in sampling_reqs], vocab_size)
+        sampling = build_sampling_batch(rows, sampling_reqs[0].eos_token_ids, vocab_size, self.device, masks)
+        out = self.sampler(logits, sampling)
+        phases.lap(SAMPLE)
         return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInput:
