@@ -21,14 +21,14 @@ in the output) lets the gateway drop duplicates after a take-over.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
 from shared.engine.sampling_params import SamplingParams
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a TokenBatch travels as columns
 
 M = TypeVar("M", bound="Message")
 _REGISTRY: dict[str, type[Message]] = {}
@@ -49,7 +49,9 @@ class Message:
             _REGISTRY[cls.TYPE] = cls
 
     def to_wire(self) -> dict[str, Any]:
-        body = asdict(self)
+        # shallow, unlike dataclasses.asdict, which copies every list it meets: msgpack packs the
+        # fields as they are, and a step's messages are encoded while the engine waits for the GIL
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
         body["v"] = SCHEMA_VERSION
         body["type"] = self.TYPE
         return body
@@ -140,9 +142,34 @@ class TokenBatch(Message):
     TYPE: ClassVar[str] = "tokens"
     updates: list[TokenUpdate]
 
+    def to_wire(self) -> dict[str, Any]:
+        """One list per TokenUpdate field, and a field equal in every update (the worker, most
+        often) once: a step's batch for a hundred requests packs as a dozen lists, not a
+        hundred maps each spelling out its keys (a fifth of the size, a tenth of the time)."""
+        updates = self.updates
+        columns: dict[str, Any] = {}
+        constant: list[str] = []
+        for name in _UPDATE_FIELDS:
+            column = [getattr(u, name) for u in updates]
+            if column and column.count(column[0]) == len(column):
+                columns[name] = column[0]
+                constant.append(name)
+            else:
+                columns[name] = column
+        return {"v": SCHEMA_VERSION, "type": self.TYPE, "n": len(updates), "constant": constant, "columns": columns}
+
     @classmethod
     def from_wire(cls, body: dict[str, Any]) -> TokenBatch:
-        return cls(updates=[TokenUpdate(**u) for u in body["updates"]])
+        num, columns, constant = body["n"], body["columns"], set(body["constant"])
+        if set(columns) != set(_UPDATE_FIELDS):
+            raise TypeError(f"columns {sorted(columns)}, expected {sorted(_UPDATE_FIELDS)}")
+        lists = [[columns[name]] * num if name in constant else columns[name] for name in _UPDATE_FIELDS]
+        if any(len(column) != num for column in lists):
+            raise TypeError(f"a column's length is not the batch's {num} updates")
+        return cls(updates=[TokenUpdate(*row) for row in zip(*lists)])
+
+
+_UPDATE_FIELDS = tuple(f.name for f in fields(TokenUpdate))
 
 
 @dataclass(slots=True)

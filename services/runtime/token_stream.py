@@ -40,6 +40,7 @@ class TokenStream:
         worker = self._worker
         batches: dict[str, list[TokenUpdate]] = {}
         delivered: list[RequestOutput] = []
+        num_tokens = 0
         for out in outputs:
             active = self.active.get(out.req_id)
             if active is None:  # aborted while its last step ran
@@ -48,10 +49,11 @@ class TokenStream:
                 token_update(out, active.attempt, active.next_index, worker.worker_id)
             )
             active.next_index += len(out.new_token_ids)
-            worker.metrics.generation_tokens.inc(len(out.new_token_ids))
+            num_tokens += len(out.new_token_ids)
             if out.is_finished:
                 del self.active[out.req_id]
             delivered.append(out)
+        worker.metrics.generation_tokens.inc(num_tokens)  # once a step: each inc takes a lock
         if batches or acks:
             self.num_unsent += 1
             items: list[tuple[str, Message]] = [(worker.keys.replies(g), TokenBatch(u)) for g, u in batches.items()]
