@@ -137,8 +137,18 @@ class Bus:
         reply = await self.redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
         return [(entry_id, _decode_entry(fields)) for _, entries in reply or [] for entry_id, fields in entries]
 
-    async def read(self, stream: str, last_id: bytes, count: int, block_ms: int) -> list[tuple[bytes, Message | None]]:
-        reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+    async def read(
+        self, stream: str, last_id: bytes, count: int, block_ms: int, trim_through: bytes | None = None
+    ) -> list[tuple[bytes, Message | None]]:
+        """Entries after `last_id`; `trim_through`: first drop the entries up to that id, in the same
+        round trip (a stream's only reader trims what it read before, without a second call per read)."""
+        if trim_through is None:
+            reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xtrim(stream, minid=_next_id(trim_through), approximate=False)
+            pipe.xread({stream: last_id}, count=count, block=block_ms)
+            _, reply = await pipe.execute()
         return [(entry_id, _decode_entry(fields)) for _, entries in reply or [] for entry_id, fields in entries]
 
     async def ack(self, stream: str, group: str, *entry_ids: bytes) -> None:

@@ -110,8 +110,8 @@ async def _write_events(
 ) -> None:
     """Every chunk, then `[DONE]`; a failure after the headers went out ends the stream with an error event."""
     try:
-        async for delta in gen.deltas():
-            await response.write(sse_event(fmt.chunk(meta, delta)))
+        async for deltas in gen.delta_batches():
+            await response.write(b"".join([sse_event(fmt.chunk(meta, delta)) for delta in deltas]))
         if include_usage:
             await response.write(sse_event(fmt.usage_chunk(meta, gen.usage)))
     except ApiError as e:

