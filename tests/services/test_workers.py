@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -38,13 +38,6 @@ def stack(loaded_model: LoadedModel) -> Iterator[Stack]:
     with Stack(config) as stack:
         yield stack
         assert stack.exited() == {}, "a worker died during the tests"
-
-
-@pytest.fixture
-async def gateway(stack: Stack) -> AsyncIterator[FakeGateway]:
-    gateway = FakeGateway(stack.namespace, gateway_id=f"gw-{uuid.uuid4().hex[:6]}")
-    yield gateway
-    await gateway.close()
 
 
 async def test_tokens_equal_the_offline_engine_and_the_first_comes_from_prefill(
