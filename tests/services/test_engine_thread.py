@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -38,11 +40,17 @@ class FakeEngine:
         self.num_waiting = 0
 
 
+def engine_thread_around(engine: FakeEngine, clock: Callable[[], float] = time.monotonic) -> EngineThread:
+    """An engine thread that runs `engine` instead of loading a model."""
+    thread = EngineThread(clock)
+    thread._engine = engine  # type: ignore[assignment]
+    return thread
+
+
 async def test_engine_thread_runs_every_call_on_one_thread_and_tells_stalls_from_idleness() -> None:
     now = [100.0]
-    thread = EngineThread(clock=lambda: now[0])
     engine = FakeEngine()
-    thread._engine = engine  # type: ignore[assignment]
+    thread = engine_thread_around(engine, clock=lambda: now[0])
     names = {await thread.call(lambda: threading.current_thread().name) for _ in range(5)}
     assert len(names) == 1 and names.pop().startswith("engine")
     now[0] += 50
@@ -62,9 +70,8 @@ async def test_engine_thread_runs_every_call_on_one_thread_and_tells_stalls_from
 
 
 async def test_a_step_hook_runs_on_the_engine_thread_before_calls_queued_during_the_step() -> None:
-    thread = EngineThread()
     engine = FakeEngine()
-    thread._engine = engine  # type: ignore[assignment]
+    thread = engine_thread_around(engine)
     in_step, finish_step = threading.Event(), threading.Event()
     outputs = [RequestOutput(ReqId("r"), [1], None, None, None, num_prompt_tokens=2, num_cached_tokens=0)]
 
@@ -87,9 +94,8 @@ async def test_a_step_hook_runs_on_the_engine_thread_before_calls_queued_during_
 
 
 async def test_a_call_between_layers_runs_inside_the_step_in_progress_and_after_none_when_idle() -> None:
-    thread = EngineThread()
     engine = FakeEngine()
-    thread._engine = engine  # type: ignore[assignment]
+    thread = engine_thread_around(engine)
     in_step, next_layer = threading.Event(), threading.Event()
     order: list[str] = []
 
