@@ -112,11 +112,10 @@ CPU_EXTEND_CASES: list[Case] = [
     ([90, 37], [75, 37], 3, 1, 96, 16),
     ([50], [41], 2, 2, 256, 16),
 ]
+CPU_CASES = DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES + CPU_EXTEND_CASES
 
 
-@pytest.mark.parametrize(
-    "case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES + CPU_EXTEND_CASES, ids=_case_id
-)
+@pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
     batch = _batch(case, torch.float32)
     out = paged_attention_cpu(*batch.args)
@@ -124,9 +123,7 @@ def test_cpu_kernel_matches_ref(case: Case, cpu_kernel: None) -> None:
     torch.testing.assert_close(out, paged_attention_ref(*batch.args), **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize(
-    "case", DECODE_CASES + SPLIT_DECODE_CASES + EXTEND_CASES + CPU_EXTRA_CASES + CPU_EXTEND_CASES, ids=_case_id
-)
+@pytest.mark.parametrize("case", CPU_CASES, ids=_case_id)
 def test_cpu_kernel_in_bf16_is_the_float32_result_rounded(case: Case, cpu_kernel: None) -> None:
     batch = _batch(case, torch.bfloat16)
     out = paged_attention_cpu(*batch.args)

@@ -1,9 +1,10 @@
-"""Fixtures the service test modules share. A module that starts a stack defines `stack` and an
-OpenAI `client` for it; `model` and `rds` build on those."""
+"""Fixtures the service test modules share. A module that starts a stack defines `stack`; `client`
+(its gateway's `openai` client), `model` and `rds` build on it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
@@ -11,7 +12,22 @@ from openai import OpenAI
 
 from services.launcher import Stack
 from services.launcher.redis_server import RedisServer
-from tests.services.stack_client import REDIS_URL
+from tests.services.stack_client import REDIS_URL, FakeGateway
+from tests.services.stacks import openai_client
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[OpenAI]:
+    with openai_client(stack) as client:
+        yield client
+
+
+@pytest.fixture
+async def gateway(stack: Stack) -> AsyncIterator[FakeGateway]:
+    """Plays a gateway of its own on the module's stack, through the protocol."""
+    gateway = FakeGateway(stack.namespace, gateway_id=f"gw-{uuid.uuid4().hex[:6]}")
+    yield gateway
+    await gateway.close()
 
 
 @pytest.fixture(scope="module")

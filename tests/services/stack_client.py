@@ -128,6 +128,20 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+def as_async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    """A plain check in the form `eventually` awaits."""
+
+    async def run() -> bool:
+        return check()
+
+    return run
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    """n token ids spread over the vocabulary; another offset gives a prompt that shares no prefix."""
+    return [(offset * 7919 + i * 104729) % 49000 + 50 for i in range(n)]
+
+
 def block_bytes(loaded: LoadedModel, block_size: int = 16) -> int:
     return kv_block_bytes(loaded.config, block_size, torch.float32)
 

@@ -24,6 +24,7 @@ from tests.services.stack_client import REDIS_URL
 
 # fast heartbeats so that a dead worker is noticed within a second
 FAST_HEARTBEAT = {"LLMD_WORKER__HEARTBEAT_INTERVAL_S": "0.2", "LLMD_WORKER__HEARTBEAT_TTL_S": "1"}
+BOUND_S = 120.0  # generous: the machine is shared; never a claim about speed
 
 
 @contextmanager
@@ -43,6 +44,11 @@ def running_stack(name: str, env: dict[str, str], **config: Any) -> Iterator[Sta
             client.delete(key)
         client.close()
         remove_kv_files(stack_config.namespace)
+
+
+def openai_client(stack: Stack) -> OpenAI:
+    """An `openai` client of the stack's gateway that never retries, so every failure shows."""
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S)
 
 
 def streamed_text(client: OpenAI, model: str, prompt: str, max_tokens: int,

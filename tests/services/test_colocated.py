@@ -30,7 +30,7 @@ from shared.settings import (
 from shared.streams import PREFILL_GROUP, Keys
 from tests.services.stacks import FAST_HEARTBEAT, HolderKiller, live_workers, running_stack, streamed_text
 from tests.services.test_e2e import token_texts
-from tests.services.test_faults import BOUND_S, until
+from tests.services.test_faults import until
 
 KV_BYTES = 32 * 2**20
 BUDGET = 32  # tokens per engine step: the prompts below are prefilled in chunks
@@ -99,12 +99,6 @@ def llm() -> LLM:
         model=ModelSettings(dtype="float32"), kv_cache=KVCacheSettings(memory_bytes=KV_BYTES),
         scheduler=SchedulerSettings(max_num_batched_tokens=BUDGET), torch_threads=1,
     ))  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=BOUND_S) as client:
-        yield client
 
 
 def live_colocated(rds: redis.Redis, keys: Keys) -> list[WorkerStatus]:

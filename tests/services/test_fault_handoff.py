@@ -21,9 +21,9 @@ import redis
 from openai import OpenAI
 
 from services.launcher import Stack
-from tests.services.stacks import FAST_HEARTBEAT, running_stack
-from tests.services.test_fault_real import greedy, openai_client
-from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
+from tests.services.stacks import BOUND_S, FAST_HEARTBEAT, running_stack
+from tests.services.test_fault_real import greedy
+from tests.services.test_faults import assert_clean, live_decode, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,12 +41,6 @@ def stack() -> Iterator[Stack]:
     }  # fmt: skip
     with running_stack("handoff", env) as stack:
         yield stack
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> Iterator[OpenAI]:
-    with openai_client(stack) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

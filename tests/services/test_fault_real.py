@@ -24,8 +24,8 @@ from shared.protocol import Cancel
 from shared.settings import RedisSettings
 from shared.streams import PREFILL_GROUP, Bus
 from tests.services.stack_client import REDIS_URL
-from tests.services.stacks import FAST_HEARTBEAT, remove_kv_files
-from tests.services.test_faults import BOUND_S, assert_clean, requests_streams, until
+from tests.services.stacks import BOUND_S, FAST_HEARTBEAT, openai_client, remove_kv_files
+from tests.services.test_faults import assert_clean, requests_streams, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -55,10 +55,6 @@ def fault_stack(config: StackConfig) -> Iterator[Stack]:
             yield stack
     finally:
         remove_kv_files(config.namespace)  # the killed workers' markers
-
-
-def openai_client(stack: Stack) -> OpenAI:
-    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S)
 
 
 def greedy(client: OpenAI, model: str, prompt: str, max_tokens: int = NUM_TOKENS) -> str:

@@ -14,12 +14,19 @@ from openai import OpenAI
 from services.launcher import Stack
 from shared.protocol import WorkerStatus
 from shared.streams import INBOX_GROUP, PREFILL_GROUP, Keys
-from tests.services.stacks import FAST_HEARTBEAT, HolderKiller, live_workers, metric_value, running_stack, streamed_text
+from tests.services.stacks import (
+    BOUND_S,
+    FAST_HEARTBEAT,
+    HolderKiller,
+    live_workers,
+    metric_value,
+    running_stack,
+    streamed_text,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KV_BYTES = 32 * 2**20
-BOUND_S = 120.0  # generous: the machine is shared; never a claim about speed
 PROMPT = "Once upon a time, in a village by the sea,"
 NUM_TOKENS = 60
 
@@ -29,12 +36,6 @@ def stack() -> Iterator[Stack]:
     env = {"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), **FAST_HEARTBEAT}
     with running_stack("faults", env, num_prefill=1, num_decode=2) as stack:
         yield stack
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
-        yield client
 
 
 def live_decode(rds: redis.Redis, keys: Keys) -> list[WorkerStatus]:

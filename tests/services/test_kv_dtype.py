@@ -20,7 +20,6 @@ from shared.model.loader import LoadedModel
 from shared.model.runner import kv_block_bytes
 from shared.settings import KVCacheSettings
 from tests.services.stacks import FAST_HEARTBEAT, HolderKiller, live_workers, running_stack, streamed_text
-from tests.services.test_fault_real import openai_client
 from tests.services.test_faults import assert_clean, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -36,12 +35,6 @@ def stack() -> Iterator[Stack]:
     env = {"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), **FAST_HEARTBEAT}
     with running_stack("kv-dtype", env, num_decode=2, kv_cache_dtype=KV_DTYPE) as stack:
         yield stack
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> Iterator[OpenAI]:
-    with openai_client(stack) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

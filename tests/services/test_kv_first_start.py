@@ -16,8 +16,8 @@ import redis
 from services.launcher import Stack
 from shared.settings import WorkerSettings
 from tests.services.stack_client import REDIS_URL
-from tests.services.stacks import FAST_HEARTBEAT, kv_bytes_by_transport, live_workers, running_stack
-from tests.services.test_fault_real import greedy, openai_client
+from tests.services.stacks import FAST_HEARTBEAT, kv_bytes_by_transport, live_workers, openai_client, running_stack
+from tests.services.test_fault_real import greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -25,7 +25,7 @@ from shared.model.loader import LoadedModel
 from tests.services.stack_client import FakeGateway
 from tests.services.stacks import FAST_HEARTBEAT, prefill_metric, running_stack
 from tests.services.test_fault_handoff import PROMPT, until_killed
-from tests.services.test_fault_handoff import client, expected  # noqa: F401  (the module fixtures)
+from tests.services.test_fault_handoff import expected  # noqa: F401  (a module fixture)
 from tests.services.test_fault_real import greedy
 from tests.services.test_faults import assert_clean, live_decode, until
 from tests.services.test_kv_tcp_stack import (
@@ -33,7 +33,6 @@ from tests.services.test_kv_tcp_stack import (
     HANDOFF_TIMEOUT_S,
     assert_greedy_tokens_only_through,
     assert_replaced_after_dying_mid_transfer,
-    gateway,  # noqa: F401  (a fixture)
 )
 
 pytestmark = [

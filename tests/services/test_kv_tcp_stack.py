@@ -20,7 +20,7 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -34,12 +34,12 @@ from services.launcher import Stack
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel
 from shared.protocol import HandoffAccept, HandoffOffer
-from tests.services.stack_client import FakeGateway, offline_greedy
-from tests.services.stacks import FAST_HEARTBEAT, kv_bytes_by_transport, prefill_metric, running_stack
+from tests.services.stack_client import FakeGateway, offline_greedy, prompt
+from tests.services.stacks import BOUND_S, FAST_HEARTBEAT, kv_bytes_by_transport, prefill_metric, running_stack
 from tests.services.test_fault_handoff import PROMPT, decode_pool_empty, until_killed
-from tests.services.test_fault_handoff import client, expected  # noqa: F401  (the module fixtures)
+from tests.services.test_fault_handoff import expected  # noqa: F401  (a module fixture)
 from tests.services.test_fault_real import greedy
-from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
+from tests.services.test_faults import assert_clean, live_decode, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,10 +49,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FAILURES = "llmd_handoff_failures_total"
 STREAMED = "llmd_handoffs_streamed_total"
 STREAM_MIN_TOKENS = 200  # of the prompts below, those of 300 tokens stream; PROMPT does not
-
-
-def long_prompt(seed: int) -> list[int]:
-    return [(seed * 7919 + j * 104729) % 49000 + 50 for j in range(300)]
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +63,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
 
 
-@pytest.fixture
-async def gateway(stack: Stack) -> AsyncIterator[FakeGateway]:
-    gateway = FakeGateway(stack.namespace, gateway_id=f"gw-{uuid.uuid4().hex[:6]}")
-    yield gateway
-    await gateway.close()
-
-
 def by_transport(rds: redis.Redis, stack: Stack) -> dict[str, float]:
     return kv_bytes_by_transport(rds, stack.keys)
 
@@ -82,8 +71,7 @@ async def assert_greedy_tokens_only_through(
     transport: str, stack: Stack, gateway: FakeGateway, loaded_model: LoadedModel, rds: redis.Redis,
 ) -> None:
     """Prompts of 1-19 blocks end with the single engine's greedy tokens, every KV byte through `transport`."""
-    prompts = [[(i * 7919 + j * 104729) % 49000 + 50 for j in range(n)] for i, n in enumerate((7, 40))]
-    prompts.append(long_prompt(2))
+    prompts = [prompt(7, 0), prompt(40, 1), prompt(300, 2)]
     for i, p in enumerate(prompts):
         await gateway.submit(f"{transport}-{i}", p, GREEDY)
 
@@ -179,15 +167,15 @@ async def test_a_prefill_worker_killed_mid_stream_leaves_nothing_held_and_is_rep
 ) -> None:
     faulty = stack.add_worker("prefill", module=[FAULTY, "prefill-dies-mid-transfer"])
     await asyncio.to_thread(only, stack, faulty)
-    prompt = long_prompt(11)
-    await gateway.submit("stream-prefill-dies", prompt, GREEDY)
+    streamed_prompt = prompt(300, 11)
+    await gateway.submit("stream-prefill-dies", streamed_prompt, GREEDY)
 
     await asyncio.to_thread(until_killed, stack, faulty)  # half of the layers sent
     await asyncio.to_thread(until, lambda: decode_pool_empty(rds, stack), "the decode worker to free the blocks")
     stack.add_worker("prefill")  # claims the dead worker's pending request and runs it again
 
     reply = (await gateway.finish("stream-prefill-dies"))["stream-prefill-dies"]
-    assert reply.token_ids == offline_greedy(loaded_model, [prompt], GREEDY)[0]
+    assert reply.token_ids == offline_greedy(loaded_model, [streamed_prompt], GREEDY)[0]
     assert sum(prefill_metric(rds, stack.keys, STREAMED).values()) >= 1  # the new worker streamed it
     await gateway.until_all_blocks_free()
     assert_clean(rds, stack.keys)
@@ -199,12 +187,12 @@ async def test_a_decode_worker_killed_mid_stream_has_the_request_offered_to_anot
 ) -> None:
     faulty = stack.add_worker("decode", module=[FAULTY, "decode-dies-mid-transfer"])
     failures = sum(prefill_metric(rds, stack.keys, FAILURES).values())
-    prompt = long_prompt(12)
+    streamed_prompt = prompt(300, 12)
 
-    await gateway.submit("stream-decode-dies", prompt, GREEDY)
+    await gateway.submit("stream-decode-dies", streamed_prompt, GREEDY)
     reply = (await gateway.finish("stream-decode-dies"))["stream-decode-dies"]
 
-    assert reply.token_ids == offline_greedy(loaded_model, [prompt], GREEDY)[0]
+    assert reply.token_ids == offline_greedy(loaded_model, [streamed_prompt], GREEDY)[0]
     assert sum(prefill_metric(rds, stack.keys, FAILURES).values()) == failures + 1
     await asyncio.to_thread(until_killed, stack, faulty)
     await asyncio.to_thread(until, lambda: faulty not in [s.worker_id for s in live_decode(rds, stack.keys)],

@@ -28,6 +28,7 @@ from shared.streams import PREFILL_GROUP
 from shared.text.tokenizer import Tokenizer
 from tests.services.stack_client import offline_greedy
 from tests.services.stacks import (
+    BOUND_S,
     FAST_HEARTBEAT,
     kv_bytes_by_transport,
     live_workers,
@@ -35,7 +36,7 @@ from tests.services.stacks import (
     request_holders,
     scrape,
 )
-from tests.services.test_faults import BOUND_S, until
+from tests.services.test_faults import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -76,12 +77,6 @@ def stack(private_redis: RedisServer) -> Iterator[Stack]:
             yield stack
     finally:
         remove_kv_files(config.namespace)
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
-        yield client
 
 
 @pytest.fixture

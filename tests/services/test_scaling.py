@@ -13,8 +13,8 @@ from openai import OpenAI
 from services.launcher import Stack
 from services.launcher.cli import apply_command
 from shared.streams import PREFILL_GROUP
-from tests.services.stacks import FAST_HEARTBEAT, running_stack, worker_tokens
-from tests.services.test_faults import BOUND_S, assert_clean, live_decode, until
+from tests.services.stacks import BOUND_S, FAST_HEARTBEAT, openai_client, running_stack, worker_tokens
+from tests.services.test_faults import assert_clean, live_decode, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -42,7 +42,7 @@ def test_workers_added_and_removed_under_load_serve_and_lose_nothing(stack: Stac
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             results[i] = e
 
-    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
+    with openai_client(stack) as client:
         model = client.models.list().data[0].id
         sema = threading.Semaphore(4)  # a steady stream, not one burst
 

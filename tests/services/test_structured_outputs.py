@@ -25,7 +25,7 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import EngineSettings, KVCacheSettings, ModelSettings
 from tests.services.stacks import FAST_HEARTBEAT, request_holders, running_stack
-from tests.services.test_faults import BOUND_S, assert_clean
+from tests.services.test_faults import assert_clean
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -60,12 +60,6 @@ def stack() -> Iterator[Stack]:
     env = {"LLMD_KV_CACHE__MEMORY_BYTES": str(KV_BYTES), **FAST_HEARTBEAT}
     with running_stack("structured", env, num_prefill=1, num_decode=2) as stack:
         yield stack
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=BOUND_S) as client:
-        yield client
 
 
 def ask(client: OpenAI, model: str, content: str, max_tokens: int = 48, **kwargs: Any) -> Any:
