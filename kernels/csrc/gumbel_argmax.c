@@ -91,3 +91,53 @@ int gumbel_argmax(int64_t *out, const float *scores, int64_t stride, const int64
     }
     return failed;
 }
+
+/*
+ * Greedy decoding's argmax: the first vocab id of each row's largest score, as torch's
+ * max(dim).indices gives it for scores without NaN. torch's indexed max walks a row one
+ * element at a time, 10 ms for 128 rows of a 49k vocabulary on one core (its amax, without
+ * the index, 1 ms); here the row's maximum comes from wide compares, block by block, and the
+ * index from the one block that holds it.
+ */
+#define ARGMAX_BLOCK 512
+#define LANES 16
+
+static int64_t row_first_max(const float *restrict x, int32_t vocab) {
+    float best = -__builtin_inff();
+    int32_t best_block = -1;
+    for (int32_t start = 0; start < vocab; start += ARGMAX_BLOCK) {
+        int32_t n = vocab - start < ARGMAX_BLOCK ? vocab - start : ARGMAX_BLOCK;
+        float lanes[LANES];
+        for (int l = 0; l < LANES; l++)
+            lanes[l] = -__builtin_inff();
+        int32_t whole = n - n % LANES;
+        for (int32_t i = 0; i < whole; i += LANES)
+            for (int l = 0; l < LANES; l++)
+                lanes[l] = x[start + i + l] > lanes[l] ? x[start + i + l] : lanes[l];
+        float block_max = -__builtin_inff();
+        for (int l = 0; l < LANES; l++)
+            block_max = lanes[l] > block_max ? lanes[l] : block_max;
+        for (int32_t i = whole; i < n; i++)
+            block_max = x[start + i] > block_max ? x[start + i] : block_max;
+        if (block_max > best) { /* strict: an equal maximum in a later block loses */
+            best = block_max;
+            best_block = start;
+        }
+    }
+    if (best_block < 0)
+        return -1;
+    for (int32_t i = best_block;; i++)
+        if (x[i] == best)
+            return i;
+}
+
+/* out[r] = the first v of the largest scores[r, v]; 1 where a row has no value above -inf. */
+int argmax_rows(int64_t *out, const float *scores, int64_t stride, int64_t rows, int32_t vocab) {
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (rows >= 2 * ROWS_PER_THREAD_MIN) reduction(| : failed)
+    for (int64_t r = 0; r < rows; r++) {
+        out[r] = row_first_max(scores + r * stride, vocab);
+        failed |= out[r] < 0;
+    }
+    return failed;
+}

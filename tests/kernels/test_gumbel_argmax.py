@@ -66,3 +66,34 @@ def test_bad_arguments_are_named() -> None:
         kernel.gumbel_argmax(torch.zeros(3, 8), keys, _VOCAB_SALT)
     with pytest.raises(ValueError, match="no finite"):
         kernel.gumbel_argmax(torch.full((2, 8), -torch.inf), keys, _VOCAB_SALT)
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, VOCAB), (5, 511), (7, 1031), (64, VOCAB), (3, 17)])
+def test_argmax_is_torchs_indexed_max(rows: int, vocab: int) -> None:
+    scores = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+    scores[0, vocab // 3] = -torch.inf
+    assert torch.equal(kernel.argmax(scores), scores.max(dim=-1).indices)
+
+
+def test_argmax_takes_the_first_of_tied_maxima_across_blocks() -> None:
+    scores = torch.zeros(4, VOCAB)
+    for row, ids in enumerate([(0, 5), (700, 1400), (513, 40000), (VOCAB - 1,)]):
+        scores[row, list(ids)] = 3.0
+    assert kernel.argmax(scores).tolist() == [0, 700, 513, VOCAB - 1]
+    assert torch.equal(kernel.argmax(scores), scores.max(dim=-1).indices)
+
+
+def test_argmax_reads_rows_by_their_stride() -> None:
+    wide = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1))
+    scores = wide[:, :2500]
+    assert torch.equal(kernel.argmax(scores), scores.max(dim=-1).indices)
+
+
+def test_argmax_refuses_a_row_without_a_maximum_and_the_sampler_falls_back_to_torch() -> None:
+    scores = torch.randn(2, 64)
+    scores[1] = -torch.inf
+    with pytest.raises(ValueError, match="no value above -inf"):
+        kernel.argmax(scores)
+    assert torch.equal(sampler._argmax(scores), scores.max(dim=-1).indices)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
