@@ -162,15 +162,21 @@ def render(table: list[dict[str, Any]], sweep: list[dict[str, Any]], phases: lis
 def sweep_figure(runs: list[Run], num_prompts: int) -> Figure:
     fig = Figure(figsize=(10, 4), layout="constrained")
     throughput, cpu = fig.subplots(1, 2)
-    for system in dict.fromkeys(run.system for run in runs if run.client_cpu_s is not None):
-        points = sorted((run.concurrency or num_prompts, run) for run in runs if run.system == system)
+    served = [run for run in runs if run.client_cpu_s is not None]
+    for system in dict.fromkeys(run.system for run in served):
+        points = sorted((run.concurrency or num_prompts, run) for run in served if run.system == system)
         caps = [cap for cap, _ in points]
         throughput.plot(caps, [run.tokens_per_s for _, run in points], marker="o", label=system)
         cpu.plot(caps, [sum(run.cpu_us_per_token().values()) for _, run in points], marker="o", label=system)
-    throughput.set(title="Output throughput", xlabel="requests in flight (cap)", ylabel="output tokens/s",
-                   xscale="log")
-    cpu.set(title="Servers' CPU per output token", xlabel="requests in flight (cap)", ylabel="CPU µs/token",
-            xscale="log")
+    caps = sorted({run.concurrency or num_prompts for run in served})
+    throughput.set(title="Output throughput", ylabel="output tokens/s")
+    cpu.set(title="Servers' CPU per output token", ylabel="CPU µs/token")
+    for ax in (throughput, cpu):
+        # the caps double or quadruple: a log axis labelled with the caps themselves
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(caps, [str(cap) for cap in caps])
+        ax.minorticks_off()
+        ax.set(xlabel="requests in flight (cap)", ylim=(0, None))
     throughput.legend()
     return fig
 
