@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,8 @@ from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 
 VLLM_SCRIPT = Path(vllm_offline.__file__)
-LOG_TAIL_LINES = 40
+LOG_TAIL_LINES = 20
+ERROR_LINES = 10
 
 
 @dataclass(slots=True)
@@ -92,7 +92,7 @@ def vllm_engine(
         with subprocess.Popen([str(python), "-P", str(VLLM_SCRIPT), spec.name], env=env, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
             assert process.stdin is not None and process.stdout is not None
-            log: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+            log: list[str] = []
             _read_marked(process, process.stdout, log)
             root = {"vLLM engine (process tree)": process.pid}
             before = sample_trees(root)
@@ -147,14 +147,17 @@ def _served(
                {name: spent for name, spent in phases.items() if spent.seconds})
 
 
-def _read_marked(process: subprocess.Popen[str], stdout: IO[str], log: deque[str]) -> str:
+def _read_marked(process: subprocess.Popen[str], stdout: IO[str], log: list[str]) -> str:
     """The next line the script marks, keeping vLLM's log lines before it for the error if it exits."""
     for line in stdout:
         if line.startswith(MARKER):
             return line.removeprefix(MARKER).strip()
         log.append(line)
     process.wait()
-    raise SystemExit(f"vLLM's offline engine ({VLLM_SCRIPT.name}) exited with {process.returncode}:\n{''.join(log)}")
+    # the root cause sits far above the tail, among the engine core's and its worker's tracebacks
+    errors = list(dict.fromkeys(line for line in log if "Error:" in line))[:ERROR_LINES]
+    raise SystemExit(f"vLLM's offline engine ({VLLM_SCRIPT.name}) exited with {process.returncode}; its errors:\n"
+                     f"{''.join(errors)}the end of its log:\n{''.join(log[-LOG_TAIL_LINES:])}")
 
 
 def _offline_inputs(requests: list[BenchRequest]) -> tuple[list[list[int]], list[SamplingParams]]:

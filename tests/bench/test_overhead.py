@@ -16,7 +16,7 @@ from bench.overhead_runs import Run
 from bench.phase_counters import PhaseCounters, phase_rows, read_phases
 from bench.serving.workload import WorkloadSpec, build_workload, warmup_requests
 from bench.stack_harness import parse_metrics, vocab_ids
-from bench.tiny_model import tiny_model
+from bench.tiny_model import shape_from, tiny_model
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 
@@ -27,7 +27,8 @@ STAT = ("4242 (web) (x) S 4200 4242 23613 0 -1 4194304 103 0 0 0 250 70 9 1 20 0
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    return str(tiny_model())
+    # the benchmark's own default shape
+    return str(tiny_model(shape_from(overhead.build_parser().parse_args([]))))
 
 
 def test_the_tiny_model_loads_in_the_engine_and_generates(model: str) -> None:
