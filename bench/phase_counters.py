@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PHASE_SUFFIX = "_phase_seconds_total"
-# an engine's steps, by which a phase's seconds become milliseconds per step
-STEP_SERIES = "llmd_engine_steps_total"
+# an engine's steps, by which a phase's seconds become milliseconds per step: a gauge of the running
+# total, or a counter (with the suffix prometheus_client gives counters)
+STEP_SERIES = ("llmd_engine_steps", "llmd_engine_steps_total")
 _PHASE_LABEL = re.compile(r'(?:^|,)phase="((?:[^"\\]|\\.)*)"')
 
 
@@ -40,7 +41,7 @@ def read_phases(samples: Mapping[str, float]) -> PhaseCounters:
     steps: float | None = None
     for key, value in samples.items():
         name, _, labels = key.partition("{")
-        if name == STEP_SERIES:
+        if name in STEP_SERIES:
             steps = (steps or 0.0) + value
         elif name.endswith(PHASE_SUFFIX):
             found = _PHASE_LABEL.search(labels.rstrip("}"))
@@ -51,8 +52,12 @@ def read_phases(samples: Mapping[str, float]) -> PhaseCounters:
 
 
 def engine_phases(engine: Any) -> PhaseCounters:
-    """An in-process engine's counters: `phase_seconds` where the engine keeps them, and its steps."""
-    return PhaseCounters(dict(getattr(engine, "phase_seconds", {})), float(engine.num_steps))
+    """An in-process engine's counters where it keeps them (`phase_seconds`, or the `seconds` of its
+    `phases`), and its steps."""
+    seconds = getattr(engine, "phase_seconds", None)
+    if seconds is None:
+        seconds = getattr(getattr(engine, "phases", None), "seconds", {})
+    return PhaseCounters(dict(seconds), float(engine.num_steps))
 
 
 def phase_rows(process: str, spent: PhaseCounters, output_tokens: int) -> list[dict[str, Any]]:

@@ -7,13 +7,14 @@ import argparse
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bench import overhead, overhead_runs, proc_cpu
 from bench.overhead_runs import Run
-from bench.phase_counters import PhaseCounters, phase_rows, read_phases
+from bench.phase_counters import PhaseCounters, engine_phases, phase_rows, read_phases
 from bench.serving.workload import WorkloadSpec, build_workload, warmup_requests
 from bench.stack_harness import parse_metrics, vocab_ids
 from bench.tiny_model import shape_from, tiny_model
@@ -76,7 +77,7 @@ def test_a_busy_child_shows_in_its_parents_tree() -> None:
 def test_phase_counters_read_from_a_metrics_page() -> None:
     registry = CollectorRegistry()
     phases = Counter("llmd_engine_phase_seconds", "", ["model_name", "worker_id", "phase"], registry=registry)
-    steps = Counter("llmd_engine_steps", "", ["model_name", "worker_id"], registry=registry)
+    steps = Gauge("llmd_engine_steps", "", ["model_name", "worker_id"], registry=registry)
     paced = Counter("llmd_paced_steps", "", ["model_name", "worker_id"], registry=registry)  # not the step count
     for worker in ("decode-0", "decode-1"):
         phases.labels("m", worker, "forward").inc(0.5)
@@ -112,6 +113,14 @@ def test_a_gateway_page_without_steps_has_phases_per_token_only() -> None:
     assert [(r["phase"], r["us_per_token"], r["ms_per_step"], r["share"]) for r in rows] == [
         ("redis_read", 1500.0, None, 0.75), ("sse_write", 500.0, None, 0.25)]
     assert read_phases(parse_metrics("")) == PhaseCounters({}, None)
+
+
+def test_an_engine_object_gives_its_counters_in_either_form() -> None:
+    assert engine_phases(SimpleNamespace(phase_seconds={"forward": 1.0}, num_steps=3)) == PhaseCounters(
+        {"forward": 1.0}, 3.0)
+    kept = SimpleNamespace(phases=SimpleNamespace(seconds={"schedule": 0.5}), num_steps=2)
+    assert engine_phases(kept) == PhaseCounters({"schedule": 0.5}, 2.0)
+    assert engine_phases(SimpleNamespace(num_steps=4)) == PhaseCounters({}, 4.0)
 
 
 def test_the_engine_alone_run_counts_every_token_and_its_cpu_time(model: str) -> None:
