@@ -32,12 +32,13 @@ from matplotlib.figure import Figure
 from bench import overhead_runs
 from bench.overhead_runs import Run
 from bench.phase_counters import phase_rows
-from bench.serving.workload import WorkloadSpec, build_workload, warmup_requests
+from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
 from bench.stack_harness import format_table, vocab_ids, write_figure, write_result
 from bench.tiny_model import add_shape_options, shape_from, tiny_model
 
 NAME = "overhead"
 NUM_WARMUPS = 2
+FRESH_TOKENS_STREAM = 3  # the workload's random streams 0-2 are its prompts, arrivals and warm-ups
 ENGINE_OF = {"this stack": "this engine alone", "vLLM server": "vLLM engine alone"}
 VLLM_OF = {"this engine alone": "vLLM engine alone", "this stack": "vLLM server"}
 
@@ -86,15 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     vocab = vocab_ids(model)
     requests = build_workload(spec, vocab, args.seed)
     warmups = warmup_requests(requests, vocab, args.seed, NUM_WARMUPS)
-    # the burst first; a cap of at least every prompt would only repeat it
-    caps: list[int | None] = [None, *(cap for cap in args.concurrency if cap < args.num_prompts)]
+    # the burst first; a cap of at least every prompt would only repeat it. Each cap sends fresh tokens
+    # of the same lengths: the servers' prefix caches hold the prompts of the runs before
+    loads: dict[int | None, list[BenchRequest]] = {None: requests} | {
+        cap: with_fresh_tokens(requests, vocab, [args.seed, FRESH_TOKENS_STREAM, cap])
+        for cap in args.concurrency if cap < args.num_prompts
+    }
 
     runs = [overhead_runs.this_engine(model, args.dtype, requests, warmups)]
     if args.vllm is not None:
         runs.append(overhead_runs.vllm_engine(args.vllm, model, args.dtype, args.vllm_kv_gib, requests, warmups))
-    runs += overhead_runs.this_stack(model, args.dtype, requests, warmups, caps)
+    runs += overhead_runs.this_stack(model, args.dtype, loads, warmups)
     if args.vllm is not None:
-        runs += overhead_runs.vllm_serve(args.vllm, model, args.dtype, args.vllm_kv_gib, requests, warmups, caps)
+        runs += overhead_runs.vllm_serve(args.vllm, model, args.dtype, args.vllm_kv_gib, loads, warmups)
 
     bursts = {run.system: run for run in runs if run.concurrency is None}
     table = main_table(bursts)

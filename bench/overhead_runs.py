@@ -4,8 +4,8 @@ server, each with the CPU time of every process it involves and the phase counte
 
     this_engine(model, dtype, requests, warmups) -> Run
     vllm_engine(python, model, dtype, kv_gib, requests, warmups) -> Run
-    this_stack(model, dtype, requests, warmups, caps) -> list[Run]      # one run per concurrency cap
-    vllm_serve(python, model, dtype, kv_gib, requests, warmups, caps) -> list[Run]
+    this_stack(model, dtype, loads, warmups) -> list[Run]      # one run per concurrency cap in `loads`
+    vllm_serve(python, model, dtype, kv_gib, loads, warmups) -> list[Run]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -40,6 +40,8 @@ from shared.engine.sampling_params import SamplingParams
 VLLM_SCRIPT = Path(vllm_offline.__file__)
 LOG_TAIL_LINES = 20
 ERROR_LINES = 10
+# the client's cap on requests in flight (None: all at once) -> the requests a served run sends
+Loads = Mapping[int | None, list[BenchRequest]]
 
 
 @dataclass(slots=True)
@@ -105,9 +107,7 @@ def vllm_engine(
     return Run("vLLM engine alone", None, result["seconds"], result["output_tokens"], 0, cpu)
 
 
-def this_stack(
-    model: str, dtype: str, requests: list[BenchRequest], warmups: list[BenchRequest], caps: Sequence[int | None]
-) -> list[Run]:
+def this_stack(model: str, dtype: str, loads: Loads, warmups: list[BenchRequest]) -> list[Run]:
     """The stack with its defaults (gateway, one prefill and one decode worker, a private Redis);
     CPU time per process, phase counters from the gateway's and each worker's /metrics."""
     config = stack_config({})
@@ -117,18 +117,18 @@ def this_stack(
         urls = {"gateway": f"{stack.base_url}/metrics", **worker_metrics_by_id(stack, "prefill"),
                 **worker_metrics_by_id(stack, "decode")}  # fmt: skip
         warm_up(stack.base_url, warmups)
-        return [_served("this stack", stack.base_url, stack.process_ids(), urls, requests, cap) for cap in caps]
+        return [_served("this stack", stack.base_url, stack.process_ids(), urls, requests, cap)
+                for cap, requests in loads.items()]
 
 
 def vllm_serve(
-    python: Path, model: str, dtype: str, kv_gib: float, requests: list[BenchRequest], warmups: list[BenchRequest],
-    caps: Sequence[int | None],
+    python: Path, model: str, dtype: str, kv_gib: float, loads: Loads, warmups: list[BenchRequest]
 ) -> list[Run]:
     with vllm_server(python, model, kv_gib, getattr(torch, dtype)) as server:
         warm_up(server.base_url, warmups)
         roots = {"vLLM server (process tree)": server.process.pid}
         urls = {"vLLM server": f"{server.base_url}/metrics"}
-        return [_served("vLLM server", server.base_url, roots, urls, requests, cap) for cap in caps]
+        return [_served("vLLM server", server.base_url, roots, urls, requests, cap) for cap, requests in loads.items()]
 
 
 def _served(
