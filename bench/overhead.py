@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 from bench import overhead_runs
 from bench.overhead_runs import Run
 from bench.phase_counters import phase_rows
+from bench.servers import vllm_version
 from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
 from bench.stack_harness import format_table, vocab_ids, write_figure, write_result
 from bench.tiny_model import add_shape_options, shape_from, tiny_model
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or str(tiny_model(shape_from(args)))
     except ValueError as error:
         parser.error(str(error))
+    # before the long runs: a --vllm that cannot import vLLM fails now
+    versions = {"vllm_version": vllm_version(args.vllm)} if args.vllm is not None else {}
     vocab = vocab_ids(model)
     requests = build_workload(spec, vocab, args.seed)
     warmups = warmup_requests(requests, vocab, args.seed, NUM_WARMUPS)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
               for row in phase_rows(f"{run.system}: {name}", spent, run.output_tokens)]  # fmt: skip
     print(render(table, sweep, phases))
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    document = {"config": {**config, "model": model}, "table": table, "sweep": sweep, "phases": phases,
+    document = {"config": {**config, "model": model, **versions}, "table": table, "sweep": sweep, "phases": phases,
                 "runs": [run_document(run) for run in runs]}  # fmt: skip
     print(f"results: {write_result(NAME, document)}, {write_figure(NAME, sweep_figure(runs, args.num_prompts))}",
           file=sys.stderr)
