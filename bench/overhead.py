@@ -36,6 +36,7 @@ from bench.servers import vllm_version
 from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
 from bench.stack_harness import format_table, vocab_ids, write_figure, write_result
 from bench.tiny_model import add_shape_options, shape_from, tiny_model
+from shared.model.paths import ModelNotFoundError, resolve_model_path
 
 NAME = "overhead"
 NUM_WARMUPS = 2
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = WorkloadSpec("random", args.num_prompts, input_len=args.input_len, output_len=args.output_len)
-        model = args.model or str(tiny_model(shape_from(args)))
-    except ValueError as error:
+        model = str(resolve_model_path(args.model)) if args.model else str(tiny_model(shape_from(args)))
+    except (ValueError, ModelNotFoundError) as error:
         parser.error(str(error))
     # before the long runs: a --vllm that cannot import vLLM fails now
     versions = {"vllm_version": vllm_version(args.vllm)} if args.vllm is not None else {}
