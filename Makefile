@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype clean
+	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype bench-overhead clean
 
 install: $(STAMP)
 
@@ -62,8 +62,13 @@ bench-goodput: install
 bench-routing: install
 	$(PY) -m bench.routing $(ARGS)
 
+# what serving costs beyond the model: a tiny random-weight model through this engine alone and this stack,
+# CPU µs per output token by process; ARGS="--vllm ENV/bin/python" adds vLLM's engine and server
+bench-overhead: install
+	$(PY) -m bench.overhead $(ARGS)
+
 bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput \
-	bench-routing bench-kv-dtype
+	bench-routing bench-kv-dtype bench-overhead
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

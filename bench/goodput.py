@@ -38,7 +38,7 @@ from matplotlib.figure import Figure
 from bench.serving.attainment import DEFAULT_SHARE, ITL_MEASURES, Attainment, LatencyTargets, attainment, goodput
 from bench.serving.runner import LoadSpec
 from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
-from bench.side_by_side import vllm_server, vllm_version
+from bench.servers import vllm_server, vllm_version
 from bench.stack_harness import (
     format_table, metric_sum, run_load, scrape_workers, stack_config, vocab_ids, write_figure, write_result,
 )
@@ -179,8 +179,8 @@ def _paced_steps(stack: Stack) -> tuple[float, float]:
 
 @contextmanager
 def _vllm(args: argparse.Namespace) -> Iterator[Server]:
-    with vllm_server(args.vllm, args.model, args.vllm_kv_gib) as base_url:
-        yield base_url, None
+    with vllm_server(args.vllm, args.model, args.vllm_kv_gib) as server:
+        yield server.base_url, None
 
 
 def _warm_up(base_url: str, args: argparse.Namespace, vocab: Any) -> None:

@@ -16,10 +16,14 @@ load it through the gateway, read the workers' Prometheus counters, and store th
     scrape_metrics(url) -> dict[str, float]
         the samples of a Prometheus text page ("http://.../metrics"), keyed 'name{a="x",b="y"}'
         (plain 'name' without labels); counters carry their "_total" suffix
+    parse_metrics(text) -> dict[str, float]
+        the same of a page's text
     metric_sum(samples, name) -> float
         the sum of every series of `name` (all label values), e.g. over several workers' pages
     worker_metrics_urls(stack, role) -> list[str]
         the /metrics URL of each live worker of `role` ("prefill" or "decode"), from its heartbeat
+    worker_metrics_by_id(stack, role) -> dict[str, str]
+        the same URLs keyed by worker id, which is the worker's name in `stack.process_ids()`
     scrape_workers(stack, role) -> dict[str, float]
         every live worker of `role` scraped into one dict (their series differ in `worker_id`)
     write_result(name, document) -> Path
@@ -124,7 +128,10 @@ def warm_up(base_url: str, requests: Sequence[BenchRequest]) -> None:
 
 def scrape_metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
-        text = response.read().decode()
+        return parse_metrics(response.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
     return {
         _series_key(sample.name, sample.labels): float(sample.value)
         for family in text_string_to_metric_families(text)
@@ -137,11 +144,16 @@ def metric_sum(samples: Mapping[str, float], name: str) -> float:
 
 
 def worker_metrics_urls(stack: Stack, role: str) -> list[str]:
+    return list(worker_metrics_by_id(stack, role).values())
+
+
+def worker_metrics_by_id(stack: Stack, role: str) -> dict[str, str]:
     statuses = asyncio.run(_live_workers(stack, role))
     missing = [s.worker_id for s in statuses if s.health_port is None]
     if missing:
         raise RuntimeError(f"workers {missing} publish no health port (built before WorkerStatus.health_port?)")
-    return [f"http://{WORKER_HOST}:{s.health_port}/metrics" for s in sorted(statuses, key=lambda s: s.worker_id)]
+    return {s.worker_id: f"http://{WORKER_HOST}:{s.health_port}/metrics"
+            for s in sorted(statuses, key=lambda s: s.worker_id)}
 
 
 def scrape_workers(stack: Stack, role: str) -> dict[str, float]:

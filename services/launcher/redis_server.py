@@ -78,6 +78,10 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def start(self, timeout_s: float = 15.0) -> str:
         """Start (or restart, on the same port) and wait until it answers. The first start moves to
         another free port if its own was taken between free_port() and Redis binding it."""

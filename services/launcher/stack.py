@@ -216,6 +216,13 @@ class Stack:
             self._redis_server.stop()
             self._redis_server = None
 
+    def process_ids(self) -> dict[str, int]:
+        """Each running child's pid by name, and the private Redis's as "redis-server" (none with a
+        shared one): what a benchmark reads CPU time from."""
+        pids = {name: c.process.pid for name, c in self.children.items() if c.process.poll() is None}
+        redis_pid = self._redis_server.pid if self._redis_server is not None else None
+        return pids | ({"redis-server": redis_pid} if redis_pid is not None else {})
+
     def abort(self) -> None:
         """Make a `start` in progress give up (from a signal handler)."""
         self._aborted.set()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import handoff, prefix_cache, side_by_side, stack_harness
+from bench import handoff, prefix_cache, servers, side_by_side, stack_harness
 from bench.serving.workload import BenchRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -88,7 +88,7 @@ def test_vllm_runs_on_every_core_with_its_preloads(tmp_path: Path) -> None:
     python = tmp_path / "env" / "bin" / "python"
     (tmp_path / "env" / "lib").mkdir(parents=True)
     (tmp_path / "env" / "lib" / "libiomp5.so").write_bytes(b"")
-    env = side_by_side.vllm_environment(python, 2.5, {0, 1, 3}, {"PATH": "/bin", "LD_PRELOAD": "/x.so"})
+    env = servers.vllm_environment(python, 2.5, {0, 1, 3}, {"PATH": "/bin", "LD_PRELOAD": "/x.so"})
 
     # vLLM leaves a core to its server process unless told not to: half of a 2-core machine
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,3" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
@@ -97,7 +97,7 @@ def test_vllm_runs_on_every_core_with_its_preloads(tmp_path: Path) -> None:
     assert str(tmp_path / "env" / "lib" / "libiomp5.so") in preloads and preloads[-1] == "/x.so"
     assert all(Path(p).exists() for p in preloads[:-1])
 
-    command = side_by_side.vllm_command(python, tmp_path / "ckpt", torch.bfloat16, 8001)
+    command = servers.vllm_command(python, tmp_path / "ckpt", torch.bfloat16, 8001)
     assert command[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     assert command[command.index("--dtype") + 1] == "bfloat16" and command[command.index("--port") + 1] == "8001"
 
@@ -105,5 +105,5 @@ def test_vllm_runs_on_every_core_with_its_preloads(tmp_path: Path) -> None:
 def test_a_server_that_exits_early_fails_with_its_log() -> None:
     command = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
     with pytest.raises(SystemExit, match="vLLM exited with 3: no such model"):
-        with side_by_side._server_process("vLLM", command, dict(os.environ), 9):
+        with servers.server_process("vLLM", command, dict(os.environ), 9):
             pass
