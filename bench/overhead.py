@@ -48,8 +48,6 @@ VLLM_OF = {"this engine alone": "vLLM engine alone", "this stack": "vLLM server"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_options(parser)
-    # vLLM's CPU attention takes heads of 32 dimensions or more: hidden 64 in 2 heads, not the tiny default's 4
-    parser.set_defaults(heads=2, kv_heads=2)
     parser.add_argument("--model", help="a .gguf file or Hugging Face folder instead of the tiny model")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--num-prompts", type=int, default=256)
