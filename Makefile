@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype clean
+	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype compose-test clean
 
 install: $(STAMP)
 
@@ -64,6 +64,11 @@ bench-routing: install
 
 bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput \
 	bench-routing bench-kv-dtype
+
+# The Compose stack for real on a container engine (not part of `make test`; docs/deploy.md, "Containers").
+# Standard library only, so it needs no venv; CONTAINER_ENGINE=podman COMPOSE=podman-compose for Podman.
+compose-test:
+	$(PYTHON) deploy/compose_test.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
