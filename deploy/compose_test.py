@@ -14,6 +14,7 @@ Environment:
   GATEWAY_PUBLISHED_PORT  the gateway's port on this host (default 8000)
   TORCH_WHEELS_PORT       where TORCH_WHEELS is served on loopback during the build (default 18765)
   COMPOSE_TEST_NO_CACHE=1 build without the layer cache, to time a cold build
+  LLMD_KV_CACHE__MEMORY_BYTES  each worker's KV pool (default here 512 MiB, equal for all)
 """
 
 from __future__ import annotations
@@ -204,11 +205,15 @@ def shares(before: dict[str, float], after: dict[str, float], names: dict[str, s
     return ", ".join(f"{name} {n / total:.0%} ({n:.0f} tokens)" for name, n in served.items())
 
 
-def send_concurrently(stack: Stack, model: str, requests: int = 8) -> None:
-    bodies = [{"model": model, "prompt": f"Request {i}: write a short story about the number {i}.",
-               "max_tokens": 32, "ignore_eos": True} for i in range(requests)]
+def send(stack: Stack, model: str, requests: int, apart_s: float) -> None:
+    """`requests` completions started `apart_s` apart, all in flight together."""
+    def one(i: int) -> None:
+        time.sleep(i * apart_s)
+        stack.post("/v1/completions", {"model": model, "prompt": f"Request {i}: a short story about the number {i}.",
+                                       "max_tokens": 32, "ignore_eos": True})
+
     with ThreadPoolExecutor(requests) as pool:
-        list(pool.map(lambda body: stack.post("/v1/completions", body), bodies))
+        list(pool.map(one, range(requests)))
 
 
 def kill_mid_stream(stack: Stack, model: str) -> None:
@@ -230,11 +235,15 @@ def kill_mid_stream(stack: Stack, model: str) -> None:
         if time.monotonic() > deadline or not reader.is_alive():
             raise ComposeTestError(f"the stream brought {len(lines)} lines, not {KILL_AFTER_CHUNKS} chunks")
         time.sleep(0.1)
-    # The one decode worker whose count grows now is the one serving the stream.
-    before = decode_tokens(stack.metrics())
-    time.sleep(1.0)
-    after = decode_tokens(stack.metrics())
-    serving = [worker for worker in after if after[worker] > before.get(worker, 0.0)]
+    # The one decode worker whose count grows now is the one serving the stream; on a loaded host
+    # a second can pass without a token.
+    before, serving = decode_tokens(stack.metrics()), []
+    for _ in range(30):
+        time.sleep(0.5)
+        after = decode_tokens(stack.metrics())
+        serving = [worker for worker in after if after[worker] > before.get(worker, 0.0)]
+        if serving:
+            break
     if len(serving) != 1:
         raise ComposeTestError(f"expected one decode worker serving the stream, found {serving}")
     victim = stack.containers()[worker_host(serving[0])]
@@ -256,6 +265,10 @@ def main() -> int:
             print(f"compose-test: {name} names '{command}', which is not installed", file=sys.stderr)
             return 1
     os.environ.setdefault("DOCKER_BUILDKIT", "1")  # the Dockerfile's cache mounts need BuildKit
+    # Equal KV pools (512 MiB): a prefill worker hands each request to the decode worker with the
+    # most free blocks, and pools sized from the memory free at each start differ by hundreds of
+    # blocks, so under light load the largest would take every request and show no sharing.
+    os.environ.setdefault("LLMD_KV_CACHE__MEMORY_BYTES", str(512 << 20))
     stack = Stack(engine, compose, port)
     start = time.monotonic()
     try:
@@ -271,8 +284,11 @@ def main() -> int:
         stack.wait_ready()
         # Names now: a killed container no longer answers `compose ps`.
         names, scaled = stack.containers(), decode_tokens(stack.metrics())
-        send_concurrently(stack, model)
-        print(f"8 concurrent requests, per decode worker: {shares(scaled, decode_tokens(stack.metrics()), names)}")
+        send(stack, model, requests=8, apart_s=0.0)
+        burst = decode_tokens(stack.metrics())
+        print(f"a burst of 8 requests, per decode worker: {shares(scaled, burst, names)}")
+        send(stack, model, requests=8, apart_s=1.0)
+        print(f"8 requests 1 s apart, per decode worker: {shares(burst, decode_tokens(stack.metrics()), names)}")
         kill_mid_stream(stack, model)
         print(f"since scaling, per decode worker: {shares(scaled, decode_tokens(stack.metrics()), names)}")
     except (ComposeTestError, OSError) as exc:  # OSError: a request to the gateway failed
