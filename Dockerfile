@@ -11,7 +11,7 @@
 # the frontend built into Docker 20.10 and later already knows `RUN --mount`.
 
 # An offline host builds from a base image of its own (deploy/offline_images.sh makes one);
-# any Debian-based image with python3 and venv serves.
+# any Debian-based image with `python` 3.11 or later (tomllib) and its venv module serves.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
