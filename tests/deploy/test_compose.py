@@ -79,9 +79,18 @@ def test_llmd_services_start_after_redis_is_healthy(cpu: dict[str, Any], service
 
 def test_redis_is_probed_with_ping_and_keeps_nothing_on_disk(cpu: dict[str, Any]) -> None:
     redis = cpu["services"]["redis"]
+    assert redis["image"] == "redis:7.4-alpine"
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     assert redis["command"] == ["redis-server", "--save", "", "--appendonly", "no"]
     assert "volumes" not in redis
+
+
+def test_images_can_be_replaced_without_an_edit(compose_bin: str) -> None:
+    # An offline host runs its own Redis and llmd images (deploy/offline_images.sh, make compose-test).
+    env = {"REDIS_IMAGE": "llmd-redis:bookworm", "CPU_IMAGE": "llmd:offline"}
+    services = compose_config(compose_bin, CPU_FILES, env=env)["services"]
+    assert services["redis"]["image"] == "llmd-redis:bookworm"
+    assert {services[name]["image"] for name in LLMD_SERVICES} == {"llmd:offline"}
 
 
 @pytest.mark.parametrize(
@@ -180,6 +189,29 @@ def test_the_monitoring_profile_adds_prometheus_and_grafana_only(monitoring: dic
     assert sorted(monitoring["services"]) == ["decode", "gateway", "grafana", "prefill", "prometheus", "redis"]
     assert monitoring["services"]["prometheus"]["profiles"] == ["monitoring"]
     assert monitoring["services"]["grafana"]["profiles"] == ["monitoring"]
+
+
+def test_every_service_has_a_healthcheck(monitoring: dict[str, Any]) -> None:
+    # make compose-test waits for every container to report healthy; one without a check never does.
+    for name, spec in monitoring["services"].items():
+        check = spec.get("healthcheck", {})
+        assert check.get("test", [""])[0] == "CMD" and not check.get("disable"), name
+
+
+@pytest.mark.parametrize(("service", "port"), [("prometheus", 9090), ("grafana", 3000)])
+def test_monitoring_healthchecks_probe_the_port_the_service_serves(
+    monitoring: dict[str, Any], service: str, port: int
+) -> None:
+    spec = monitoring["services"][service]
+    (url,) = [arg for arg in spec["healthcheck"]["test"] if arg.startswith("http://")]
+    assert url.startswith(f"http://127.0.0.1:{port}/")
+    assert [p["target"] for p in spec["ports"]] == [port]
+
+
+def test_grafana_starts_after_prometheus_is_healthy(monitoring: dict[str, Any]) -> None:
+    assert monitoring["services"]["grafana"]["depends_on"] == {
+        "prometheus": {"condition": "service_healthy", "required": True}
+    }
 
 
 @pytest.mark.parametrize(("service", "pattern"), [("prometheus", r"prom/prometheus:v\d+\.\d+\.\d+"),

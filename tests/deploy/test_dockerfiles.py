@@ -100,16 +100,35 @@ def test_dependency_step_reads_pyproject_dependencies(name: str) -> None:
     assert printed == expected
 
 
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_base_image_is_a_build_argument(name: str) -> None:
+    # An offline host passes --build-arg BASE_IMAGE=<its own image> and edits nothing.
+    pairs = instructions(name)
+    start = first_index(pairs, "FROM", ".")
+    assert pairs[start] == ("FROM", "${BASE_IMAGE}")
+    assert [ins for ins, _ in pairs[:start]] == ["ARG"] * start
+    assert any(args.startswith("BASE_IMAGE=") for _, args in pairs[:start])
+    assert [ins for ins, _ in pairs].count("FROM") == 1
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_no_syntax_directive_that_an_offline_build_would_pull(name: str) -> None:
+    first = (REPO_ROOT / name).read_text().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first, re.I), first
+
+
 def test_cpu_image_serves_the_gateway_by_default() -> None:
     pairs = instructions("Dockerfile")
-    assert pairs[0] == ("FROM", "python:3.11-slim-bookworm")
+    assert pairs[0] == ("ARG", "BASE_IMAGE=python:3.11-slim-bookworm")
     assert pairs[-1] == ("CMD", '["python", "-m", "services.gateway"]')
-    first_index(pairs, "RUN", r"pip install --index-url https://download\.pytorch\.org/whl/cpu torch==2\.13\.0$")
+    index = first_index(pairs, "ARG", r"^TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$")
+    torch = first_index(pairs, "RUN", r'pip install --index-url "\$TORCH_INDEX_URL" torch==2\.13\.0$')
+    assert index < torch
 
 
 def test_gpu_image_builds_on_cuda_and_keeps_a_compiler_for_triton() -> None:
     pairs = instructions("Dockerfile.gpu")
-    assert ("FROM", "nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04") in pairs
+    assert ("ARG", "BASE_IMAGE=nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04") in pairs
     apt = next(args for ins, args in pairs if ins == "RUN" and "apt-get install" in args)
     assert {"python3-dev", "gcc"} <= set(apt.split())
     assert any(ins == "ENV" and "LLMD_MODEL__DEVICE=cuda" in args for ins, args in pairs)

@@ -31,20 +31,22 @@ def venv_tool(name: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which(name)
 
 
-def run(cmd: list[str], cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
-    # A clean environment: LLMD_* or COMPOSE_* variables of the developer's shell must not
-    # change what the files render to.
-    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+def run(cmd: list[str], cwd: Path = REPO_ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # A clean environment plus `env`: LLMD_* or COMPOSE_* variables of the developer's shell
+    # must not change what the files render to.
+    clean = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp"), **(env or {})}
+    return subprocess.run(cmd, cwd=cwd, env=clean, capture_output=True, text=True, timeout=120)
 
 
 def load_yaml_docs(text: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def compose_config(compose_bin: str, files: list[str], profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+def compose_config(
+    compose_bin: str, files: list[str], profiles: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> dict[str, Any]:
     args = [arg for name in files for arg in ("-f", name)] + [arg for name in profiles for arg in ("--profile", name)]
-    result = run([compose_bin, *args, "config", "--format", "json"])
+    result = run([compose_bin, *args, "config", "--format", "json"], env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
