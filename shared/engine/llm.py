@@ -15,6 +15,11 @@ from shared.text.detokenizer import IncrementalDetokenizer
 from shared.text.tokenizer import Tokenizer
 
 
+# an offline batch has every prompt at once and no stream waiting on a step: twice a server's
+# batch, as vLLM's LLM class takes on a CPU (256 sequences, 4,096 tokens a step)
+OFFLINE_SCHEDULER = SchedulerSettings(max_num_seqs=256, max_num_batched_tokens=4096)
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     prompt_token_ids: list[int]
@@ -40,7 +45,7 @@ class LLM:
         settings = settings or EngineSettings(
             model=ModelSettings(path=model or "default", dtype=dtype, device=device),  # type: ignore[arg-type]
             kv_cache=kv_cache or KVCacheSettings(),
-            scheduler=scheduler or SchedulerSettings(),
+            scheduler=scheduler or OFFLINE_SCHEDULER,
         )
         loaded = load_model(settings.model.path, settings.model.disk_cache)
         self.tokenizer = Tokenizer.from_path(str(loaded.path), settings.model.disk_cache)
