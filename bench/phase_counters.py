@@ -1,6 +1,6 @@
 """Where a process's time goes, by phase, from the counters it keeps: every Prometheus series named
-`*_phase_seconds_total` with a `phase` label (the engine's schedule, prepare, forward, sample,
-update, outputs; the gateway's Redis reads, SSE writes, detokenising, ...), read before and after a
+`*_phase_seconds_total` with a `phase` label (the engine's schedule, prepare, forward, logits,
+sample, update, outputs; the gateway's Redis reads, SSE writes, detokenising, ...), read before and after a
 run and divided by the run's output tokens and engine steps.
 
     before = read_phases(scrape_metrics(url))
@@ -14,12 +14,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.engine.engine import Engine
 
 PHASE_SUFFIX = "_phase_seconds_total"
-# an engine's steps, by which a phase's seconds become milliseconds per step: a gauge of the running
-# total, or a counter (with the suffix prometheus_client gives counters)
-STEP_SERIES = ("llmd_engine_steps", "llmd_engine_steps_total")
+# an engine's steps, by which a phase's seconds become milliseconds per step (shared/metrics.py)
+STEP_SERIES = "llmd_engine_steps"
 _PHASE_LABEL = re.compile(r'(?:^|,)phase="((?:[^"\\]|\\.)*)"')
 
 
@@ -41,7 +43,7 @@ def read_phases(samples: Mapping[str, float]) -> PhaseCounters:
     steps: float | None = None
     for key, value in samples.items():
         name, _, labels = key.partition("{")
-        if name in STEP_SERIES:
+        if name == STEP_SERIES:
             steps = (steps or 0.0) + value
         elif name.endswith(PHASE_SUFFIX):
             found = _PHASE_LABEL.search(labels.rstrip("}"))
@@ -51,13 +53,9 @@ def read_phases(samples: Mapping[str, float]) -> PhaseCounters:
     return PhaseCounters(seconds, steps)
 
 
-def engine_phases(engine: Any) -> PhaseCounters:
-    """An in-process engine's counters where it keeps them (`phase_seconds`, or the `seconds` of its
-    `phases`), and its steps."""
-    seconds = getattr(engine, "phase_seconds", None)
-    if seconds is None:
-        seconds = getattr(getattr(engine, "phases", None), "seconds", {})
-    return PhaseCounters(dict(seconds), float(engine.num_steps))
+def engine_phases(engine: Engine) -> PhaseCounters:
+    """An in-process engine's phase counters (shared/engine/step_phases.py) and its steps."""
+    return PhaseCounters(dict(engine.phases.seconds), float(engine.num_steps))
 
 
 def phase_rows(process: str, spent: PhaseCounters, output_tokens: int) -> list[dict[str, Any]]:

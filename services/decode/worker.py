@@ -33,7 +33,8 @@ from services.kv_transfer import KVTransferError, TransferHeader
 from services.kv_transfer.base import num_bytes
 from services.runtime.token_stream import Active, TokenStream
 from services.runtime.worker import Worker
-from shared.engine.engine import Engine, Handoff, InvalidRequestError, RequestOutput
+from shared.engine.engine import Engine, InvalidRequestError, RequestOutput
+from shared.engine.kv_handoff import Handoff
 from shared.engine.request import ReqId
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError
 from shared.protocol import (

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from services.kv_transfer import KVPeer
 from services.kv_transfer.tcp_layers import LayerStream
-from shared.engine.engine import Handoff, RequestOutput
+from shared.engine.engine import RequestOutput
+from shared.engine.kv_handoff import Handoff
 from shared.protocol import GenerateRequest
 
 MIB = 2**20

@@ -37,7 +37,8 @@ from services.prefill.placement import AcceptBoard, DecodePicker
 from services.prefill.reclaim import Claimed, Reclaimer
 from services.prefill.tracked import Tally, Tracked, entry_time
 from services.runtime.intake import add_to_engine, finish_early, refusal
-from services.runtime.worker import Worker, token_update
+from services.runtime.token_stream import token_update
+from services.runtime.worker import Worker
 from shared.engine.engine import RequestOutput
 from shared.protocol import (
     Cancel,

@@ -10,12 +10,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.runtime.worker import Ack, token_update
+from services.runtime.worker import Ack
 from shared.engine.engine import RequestOutput
 from shared.protocol import Message, TokenBatch, TokenUpdate
 
 if TYPE_CHECKING:
     from services.runtime.worker import Worker
+
+
+def token_update(out: RequestOutput, attempt: int, index: int, worker_id: str) -> TokenUpdate:
+    top = out.new_top_logprobs
+    return TokenUpdate(
+        req_id=out.req_id,
+        attempt=attempt,
+        index=index,
+        token_ids=list(out.new_token_ids),
+        logprobs=out.new_logprobs,
+        top_logprobs=[[[token_id, logprob] for token_id, logprob in row] for row in top] if top is not None else None,
+        finish_reason=out.finish_reason,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        worker_id=worker_id,
+    )
 
 
 @dataclass(slots=True)

@@ -11,7 +11,6 @@ A subclass names its `role`, supplies its loops (`serve_tasks`), says when it ho
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -28,24 +27,24 @@ from aiohttp import web
 from redis.exceptions import ResponseError
 
 from services.kv_transfer import kv_transports
+from services.runtime.cpu_pin import CpuPinError, pin_to_cpus
 from services.runtime.engine_thread import EngineThread
 from services.runtime.health import create_health_app
+from services.runtime.heartbeat import Heartbeats, wait_for
 from services.runtime.kv_events import KVEventPublisher, KVEventSource
 from services.runtime.malloc_tuning import keep_freed_memory
 from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.paths import ModelNotFoundError, resolve_model_path
 from shared.outage_log import OutageLog
-from shared.protocol import Message, TokenUpdate, WorkerStatus, encode
-from shared.settings import WorkerServiceSettings, parse_cpu_list, warn_unknown_settings
+from shared.protocol import Message, encode
+from shared.settings import WorkerServiceSettings, warn_unknown_settings
 from shared.streams import INBOX_GROUP, READ_BLOCK_MS, REDIS_ERRORS, Bus, with_backoff
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, Message | None], Awaitable[None]]
 Ack = tuple[str, str, bytes]  # stream, consumer group, entry id
-TRIM_EVERY_BEATS = 20
-REPORT_EVERY_S = 10.0
 
 
 def default_worker_id(role: str) -> str:
@@ -61,22 +60,6 @@ def model_name(settings: WorkerServiceSettings) -> str:
         return Path(settings.model.path).stem
 
 
-def token_update(out: RequestOutput, attempt: int, index: int, worker_id: str) -> TokenUpdate:
-    top = out.new_top_logprobs
-    return TokenUpdate(
-        req_id=out.req_id,
-        attempt=attempt,
-        index=index,
-        token_ids=list(out.new_token_ids),
-        logprobs=out.new_logprobs,
-        top_logprobs=[[[token_id, logprob] for token_id, logprob in row] for row in top] if top is not None else None,
-        finish_reason=out.finish_reason,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-        worker_id=worker_id,
-    )
-
-
 async def send_many(bus: Bus, items: list[tuple[str, Message]], acks: Sequence[Ack] = ()) -> None:
     """XADD several messages in one round trip, in order, then XACK `acks`: Redis runs a pipeline in
     order, so an entry is never acknowledged without the messages before it. Entries are laid out
@@ -89,29 +72,7 @@ async def send_many(bus: Bus, items: list[tuple[str, Message]], acks: Sequence[A
     await pipe.execute()
 
 
-class CpuPinError(ValueError):
-    pass
-
-
-def pin_to_cpus(cpus: str) -> None:
-    """Run every thread of this process, and the threads they start, on the CPUs of `cpus` (the
-    syntax of `WorkerSettings.cpus`); '' leaves the affinity alone."""
-    wanted = parse_cpu_list(cpus)
-    if not wanted:
-        return
-    available = os.sched_getaffinity(0)
-    if not wanted <= available:
-        raise CpuPinError(
-            f"cpus {cpus!r} names CPUs {sorted(wanted - available)} this process may not run on; "
-            f"available: {sorted(available)}"
-        )
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), wanted)
-    logger.info("pinned to CPUs %s", sorted(wanted))
-
-
-class Worker:
+class Worker(Heartbeats):
     role: ClassVar[str]
 
     def __init__(self, settings: WorkerServiceSettings) -> None:
@@ -247,7 +208,7 @@ class Worker:
                 )  # fmt: skip
                 self.stopped.set()
                 break
-            await _wait(self.stopped, 0.05)
+            await wait_for(self.stopped, 0.05)
         logger.info("drained" if not self.stopped.is_set() else "stopping with work still held")
 
     async def close(self) -> None:
@@ -333,7 +294,7 @@ class Worker:
         while not until.is_set():
             count = capacity()
             if count <= 0:
-                await _wait(self.capacity_changed, READ_BLOCK_MS / 1000)
+                await wait_for(self.capacity_changed, READ_BLOCK_MS / 1000)
                 self.capacity_changed.clear()
                 continue
             try:
@@ -393,7 +354,7 @@ class Worker:
         pool = self.engine.engine.kv_cache.pool
         snapshot_outage = OutageLog(logger, "KV snapshot")
         while not self.stopped.is_set():
-            await _wait(publisher.wake, publisher.settings.snapshot_interval_s)
+            await wait_for(publisher.wake, publisher.settings.snapshot_interval_s)
             publisher.wake.clear()
             await publisher.publish_events()
             try:
@@ -404,83 +365,6 @@ class Worker:
                 snapshot_outage.recovered()
             except REDIS_ERRORS as e:
                 snapshot_outage.failed(e)
-
-    # -- heartbeat -------------------------------------------------------------------------------
-
-    def status(self) -> WorkerStatus:
-        stats = self.engine.stats
-        assert stats is not None
-        return WorkerStatus(
-            worker_id=self.worker_id,
-            role=self.role,
-            inbox=self.inbox,
-            free_blocks=stats.kv.num_free_blocks,
-            total_blocks=stats.kv.num_blocks,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting + stats.num_importing,
-            timestamp=time.time(),
-            draining=self.draining,
-            health_port=self.health_port,
-            busy_s=self.engine.busy_s,
-            num_steps=self.engine.num_steps,
-            num_prefilled=self.num_prefilled,
-            kv_transports=self.kv.names,
-            kv_shm=self.kv.shm_token,
-            kv_host=self.kv.host,
-            kv_port=self.kv.port,
-            kv_nixl=self.kv.nixl_advertisement,
-        )
-
-    def beat_now(self) -> None:
-        self._beat_now.set()
-
-    async def _publish_status(self) -> None:
-        await self.bus.publish_status(self.status(), self.settings.worker.heartbeat_ttl_s)
-        self._status_published_at = time.monotonic()
-
-    def heartbeat_lapsed(self) -> bool:
-        """True once the last heartbeat Redis took has expired: the gateways and the other workers
-        then count this worker as dead and re-queue what it holds elsewhere."""
-        return time.monotonic() - self._status_published_at > self.settings.worker.heartbeat_ttl_s
-
-    async def _heartbeat_loop(self) -> None:
-        """A worker whose engine stalls stops beating, so the others treat it as dead."""
-        cfg = self.settings.worker
-        num_beats = 0
-        reported_at = time.monotonic()
-        while not self.stopped.is_set():
-            if time.monotonic() - reported_at >= REPORT_EVERY_S:
-                line = self.report(time.monotonic() - reported_at)
-                reported_at = time.monotonic()
-                if line:
-                    logger.info("%s", line)
-            stalled_s = self.engine.stalled_s()
-            if stalled_s > cfg.stuck_after_s:
-                if not self._is_stuck:
-                    logger.error("engine made no progress for %.0fs while holding work; heartbeat stopped", stalled_s)
-                self._is_stuck = True
-            else:
-                if self._is_stuck:
-                    logger.warning("engine progressing again; heartbeat resumed")
-                self._is_stuck = False
-                await self._beat(num_beats)
-            num_beats += 1
-            await _wait(self._beat_now, cfg.heartbeat_interval_s)
-            self._beat_now.clear()
-
-    async def _kv_marker_loop(self) -> None:
-        while not self.stopped.is_set():
-            self.kv.refresh()
-            await _wait(self.stopped, self.settings.worker.heartbeat_interval_s)
-
-    async def _beat(self, num_beats: int) -> None:
-        try:
-            await self._publish_status()
-            if num_beats % TRIM_EVERY_BEATS == 0:
-                await self.trim()
-            self._beat_outage.recovered()
-        except (*REDIS_ERRORS, ResponseError) as e:
-            self._beat_outage.failed(e)
 
     # -- /health and /metrics --------------------------------------------------------------------
 
@@ -508,15 +392,6 @@ class Worker:
             self.metrics.torch_threads.set(threads)
         self.metrics.observe_pacing(self.engine.lent_s, self.engine.num_pauses, *self.engine.paced_steps)
         return self.metrics.render(), self.metrics.content_type
-
-
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that races its timeout
-    try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-    except TimeoutError:
-        pass
 
 
 def _log_crash(task: asyncio.Task[Any]) -> None:

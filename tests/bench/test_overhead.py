@@ -10,6 +10,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+
+from shared.engine.step_phases import PHASES
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bench import overhead, overhead_runs, proc_cpu
@@ -115,12 +117,9 @@ def test_a_gateway_page_without_steps_has_phases_per_token_only() -> None:
     assert read_phases(parse_metrics("")) == PhaseCounters({}, None)
 
 
-def test_an_engine_object_gives_its_counters_in_either_form() -> None:
-    assert engine_phases(SimpleNamespace(phase_seconds={"forward": 1.0}, num_steps=3)) == PhaseCounters(
-        {"forward": 1.0}, 3.0)
+def test_an_engine_object_gives_its_counters() -> None:
     kept = SimpleNamespace(phases=SimpleNamespace(seconds={"schedule": 0.5}), num_steps=2)
-    assert engine_phases(kept) == PhaseCounters({"schedule": 0.5}, 2.0)
-    assert engine_phases(SimpleNamespace(num_steps=4)) == PhaseCounters({}, 4.0)
+    assert engine_phases(kept) == PhaseCounters({"schedule": 0.5}, 2.0)  # type: ignore[arg-type]
 
 
 def test_the_engine_alone_run_counts_every_token_and_its_cpu_time(model: str) -> None:
@@ -130,7 +129,7 @@ def test_the_engine_alone_run_counts_every_token_and_its_cpu_time(model: str) ->
     assert run.cpu_s["engine (this process)"] > 0 and run.seconds > 0
     # the engine's phase counters where it keeps them, and then every step of the run
     for spent in run.phases.values():
-        assert set(spent.seconds) <= {"schedule", "prepare", "forward", "sample", "update", "outputs"}
+        assert set(spent.seconds) == set(PHASES)
         assert spent.steps is not None and spent.steps >= 8
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shared.engine.constraint import GrammarError, StructuredSpec
-from shared.engine.engine import Engine, Handoff
+from shared.engine.engine import Engine
+from shared.engine.kv_handoff import Handoff
 from shared.engine.request import ReqId
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.sampling_params import SamplingParams, SamplingParamsError

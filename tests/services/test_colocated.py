@@ -16,7 +16,7 @@ from openai import OpenAI
 from pydantic import ValidationError
 
 from services.launcher import Stack
-from services.runtime.worker import CpuPinError, pin_to_cpus
+from services.runtime.cpu_pin import CpuPinError, pin_to_cpus
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
 from shared.protocol import WorkerStatus
@@ -65,7 +65,7 @@ def test_pinning_moves_every_thread_of_the_process_and_those_started_later() -> 
     cpu = min(os.sched_getaffinity(0))
     script = f"""
 import os, threading
-from services.runtime.worker import pin_to_cpus
+from services.runtime.cpu_pin import pin_to_cpus
 started = threading.Event()
 before = threading.Thread(target=lambda: (started.set(), threading.Event().wait(5)), daemon=True)
 before.start(); started.wait()
