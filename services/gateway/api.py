@@ -14,6 +14,7 @@ from services.gateway.body import read_body
 from services.gateway.context import GATEWAY
 from services.gateway.formats import CHAT, COMPLETION, ResponseFormat
 from services.gateway.generation import Generation
+from services.gateway.metrics import SSE
 from services.gateway.openai_responses import SSE_DONE, Choice, PositionLogprobs, ResponseMeta, sse_event
 from services.gateway.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, error_body, parse_request
 from services.gateway.planner import ApiRequest, PromptLimits, plan_choices
@@ -99,19 +100,23 @@ async def stream(
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
-        await _write_events(response, gen, fmt, meta, include_usage)
+        await _write_events(response, gen, fmt, meta, include_usage, request.app[GATEWAY].metrics.phase_seconds)
     except ConnectionResetError:
         gen.abandon("client_disconnected")
     return response
 
 
 async def _write_events(
-    response: web.StreamResponse, gen: Generation, fmt: ResponseFormat, meta: ResponseMeta, include_usage: bool
+    response: web.StreamResponse, gen: Generation, fmt: ResponseFormat, meta: ResponseMeta, include_usage: bool,
+    phase_seconds: dict[str, float],
 ) -> None:
-    """Every chunk, then `[DONE]`; a failure after the headers went out ends the stream with an error event."""
+    """Every chunk, then `[DONE]`; a failure after the headers went out ends the stream with an error event.
+    The time the chunks take is added to `phase_seconds` (GatewayMetrics)."""
     try:
         async for deltas in gen.delta_batches():
+            started = time.perf_counter()
             await response.write(b"".join([sse_event(fmt.chunk(meta, delta)) for delta in deltas]))
+            phase_seconds[SSE] += time.perf_counter() - started
         if include_usage:
             await response.write(sse_event(fmt.usage_chunk(meta, gen.usage)))
     except ApiError as e:

@@ -89,9 +89,9 @@ def build_gateway(settings: GatewayServiceSettings, model: ModelInfo, tokenizer:
     cfg = settings.gateway
     gateway_id = cfg.gateway_id or default_gateway_id()
     bus = Bus(settings.redis)
-    router = ReplyRouter(bus, gateway_id)
     admission = Admission(cfg.max_queued_requests, cfg.max_queued_prompt_tokens)
     metrics = GatewayMetrics(model.name, lambda: admission.num_requests)
+    router = ReplyRouter(bus, gateway_id, metrics.phase_seconds)
     index = KVIndex()
     routing = Router(bus, index, settings.routing, on_route=metrics.observe_route)
     return Gateway(

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from services.gateway.inflight import InflightRequest
+from services.gateway.metrics import DETOKENIZE
 from services.gateway.openai_responses import PositionLogprobs, TokenLogprob, Usage
 from services.gateway.openai_schema import ApiError, FinishReason
 from services.gateway.planner import PlannedChoice
@@ -173,9 +174,12 @@ class Generation:
         """`deltas`, each time as all that the updates arrived so far give: a stream writes them in
         one go, and a busy gateway, whose replies pile up between two turns of a request's task, pays
         one wake-up and one write for the pile instead of one per token."""
+        phase_seconds = self._gw.metrics.phase_seconds
         while not self._is_abandoned and any(not c.is_finished for c in self._choices.values()):
             batch: list[ChoiceDelta] = []
-            for update in await self._next_updates():
+            updates = await self._next_updates()
+            started = time.perf_counter()
+            for update in updates:
                 choice = self._choices[update.req_id]
                 if choice.is_finished:  # queued before a stop string ended it
                     continue
@@ -189,6 +193,7 @@ class Generation:
                     self._finish(choice)
                 if delta is not None:
                     batch.append(delta)
+            phase_seconds[DETOKENIZE] += time.perf_counter() - started
             if batch:
                 yield batch
 

@@ -14,8 +14,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from services.gateway.router import Route
 from services.pool_planner.policy import PoolLoad
-from shared.metrics import LATENCY_BUCKETS
+from shared.metrics import LATENCY_BUCKETS, PhaseSeconds
 
+# where a gateway's time goes as tokens flow back (`llmd_gateway_phase_seconds_total`): routing each
+# worker's batch to its requests, turning updates into text (detokenising, stop strings, their
+# metrics), and writing server-sent events (chunks' JSON and the writes)
+ROUTE, DETOKENIZE, SSE = "route", "detokenize", "sse"
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -52,6 +56,10 @@ class GatewayMetrics:
             "llmd_cancellations", "Requests the gateway cancelled on the workers, by reason.",
             ["model_name", "reason"], registry=self.registry,
         )
+        # running totals kept where the work is done (a clock read or two per batch), read at scrape time
+        self.phase_seconds: dict[str, float] = dict.fromkeys((ROUTE, DETOKENIZE, SSE), 0.0)
+        PhaseSeconds(self.registry, "llmd_gateway_phase_seconds", "Seconds the gateway spent routing token batches, "
+                     "detokenising and writing server-sent events.", labels).track(lambda: self.phase_seconds)
         self.requests_rejected = counter("llmd_requests_rejected", "API requests answered 429 (gateway at capacity).")
         self.migrations = counter(
             "llmd_migrations", "Requests re-queued off a dead decode worker, continuing after the tokens streamed."

@@ -21,6 +21,7 @@ import time
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from services.gateway.inflight import InflightRequest
+from services.gateway.metrics import ROUTE
 from shared.outage_log import OutageLog
 from shared.protocol import Cancel, Message, TokenBatch
 from shared.streams import READ_BLOCK_MS, REDIS_ERRORS, STAGE_ROLES, Bus, with_backoff
@@ -35,8 +36,10 @@ EPOCH_TTL_S = 3600  # refreshed every check; outlives a gateway that died withou
 
 
 class ReplyRouter:
-    def __init__(self, bus: Bus, gateway_id: str) -> None:
+    def __init__(self, bus: Bus, gateway_id: str, phase_seconds: dict[str, float] | None = None) -> None:
+        """`phase_seconds`: where the time routing takes is added (GatewayMetrics.phase_seconds)."""
         self._bus = bus
+        self._phase_seconds = phase_seconds if phase_seconds is not None else {}
         self.gateway_id = gateway_id
         self.stream = bus.keys.replies(gateway_id)
         self._epoch_key = bus.keys.epoch(gateway_id)
@@ -145,11 +148,13 @@ class ReplyRouter:
                            len(req.output_token_ids))
 
     def _route_all(self, msgs: list[Message | None]) -> None:
+        started = time.perf_counter()
         for msg in msgs:
             try:
                 self.route(msg)
             except Exception:  # one bad entry must not stop the replies of every other request
                 logger.exception("routing a reply failed")
+        self._phase_seconds[ROUTE] = self._phase_seconds.get(ROUTE, 0.0) + time.perf_counter() - started
 
     def route(self, msg: Message | None) -> None:
         if not isinstance(msg, TokenBatch):

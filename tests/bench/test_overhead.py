@@ -10,14 +10,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
-from shared.engine.step_phases import PHASES
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bench import overhead, overhead_runs, proc_cpu
 from bench.overhead_runs import Run
 from bench.phase_counters import PhaseCounters, engine_phases, phase_rows, read_phases
 from bench.serving.workload import WorkloadSpec, build_workload, warmup_requests
+from shared.engine.step_phases import PHASES
 from bench.stack_harness import parse_metrics, vocab_ids
 from bench.tiny_model import shape_from, tiny_model
 from shared.engine.llm import LLM

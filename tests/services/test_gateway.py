@@ -317,3 +317,17 @@ async def test_replies_are_trimmed_once_routed(client: TestClient, worker: FakeW
 
 async def _is_zero(value: Awaitable[int]) -> bool:
     return await value == 0
+
+
+async def test_a_streamed_request_shows_in_the_gateways_phase_counters(client: TestClient, worker: FakeWorker) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    async with client.post("/v1/chat/completions", json=body) as resp:
+        request = await worker.next_request()
+        await worker.reply(request, [HELLO])
+        await worker.reply(request, [WORLD], index=1, finish_reason="length")
+        await resp.read()
+    async with client.get("/metrics") as resp:
+        lines = (await resp.text()).splitlines()
+    seconds = {line.split('phase="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in lines if line.startswith("llmd_gateway_phase_seconds_total{")}
+    assert set(seconds) == {"route", "detokenize", "sse"} and all(s > 0 for s in seconds.values()), seconds
