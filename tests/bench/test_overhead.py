@@ -16,11 +16,11 @@ from bench import overhead, overhead_runs, proc_cpu
 from bench.overhead_runs import Run
 from bench.phase_counters import PhaseCounters, engine_phases, phase_rows, read_phases
 from bench.serving.workload import WorkloadSpec, build_workload, warmup_requests
-from shared.engine.step_phases import PHASES
 from bench.stack_harness import parse_metrics, vocab_ids
 from bench.tiny_model import shape_from, tiny_model
 from shared.engine.llm import LLM
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.step_phases import PHASES
 
 # a real /proc/<pid>/stat line, its command name given a space and a ')' as a process may choose
 STAT = ("4242 (web) (x) S 4200 4242 23613 0 -1 4194304 103 0 0 0 250 70 9 1 20 0 1 0 119462 3133440 389 "
