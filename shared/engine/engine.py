@@ -276,11 +276,10 @@ class Engine(KVHandoff):
             self.step_plan = None
         sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
-        if self.policy.budget is not None:
-            # after the update: each request's context before this step is its count less what it computed
-            pairs = sum(attention_pairs(n, req.num_computed_tokens - n)
-                        for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
-            self.policy.observe_step(plan.num_tokens, pairs, time.perf_counter() - started)
+        # after the update: each request's context before this step is its count less what it computed
+        pairs = sum(attention_pairs(n, req.num_computed_tokens - n)
+                    for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)
+        self.policy.observe_step(plan.num_tokens, pairs, time.perf_counter() - started)
         phases.lap(UPDATE)
         outputs = [self._output(req) for req in sampled]
         phases.lap(OUTPUTS)

@@ -329,13 +329,19 @@ class Sampler:
         assert logits.shape == (batch.num_rows, batch.vocab_size), logits.shape
         logits = logits.float()  # a no-op for float32; noise and logprobs need float32 precision
         if batch.is_plain_greedy:
-            return SamplerOutput(_argmax(logits).tolist(), None, None)
+            return SamplerOutput(self.greedy(logits), None, None)
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None  # [num_rows, vocab]
         token_ids = _pick_tokens(process_logits(logits, batch), batch)  # [num_rows]
         if raw_logprobs is None:
             return SamplerOutput(token_ids.tolist(), None, None)
         assert batch.num_logprobs is not None
         return SamplerOutput(token_ids.tolist(), *_logprobs(raw_logprobs, token_ids, batch.num_logprobs))
+
+
+    @staticmethod
+    def greedy(logits: Tensor) -> list[int]:
+        """The tokens of a batch of plain greedy rows (no penalty, mask or logprobs)."""
+        return _argmax(logits.float()).tolist()
 
 
 def _argmax(logits: Tensor) -> Tensor:

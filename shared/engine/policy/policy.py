@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from shared.engine.policy.late_gaps import LateGapLedger, StepOutput
 from shared.engine.policy.pacing import StepPacer
 from shared.engine.policy.prompt_order import ShortestFirst
-from shared.engine.policy.step_cost import StepBudget
+from shared.engine.policy.step_cost import StepBudget, StepTimes
 from shared.engine.request import Request
 from shared.settings import LatencyTargetSettings
 
@@ -64,9 +64,11 @@ class StepPolicy:
         self.targets = targets
         # how long a prompt has kept the cores busy before it may spend the streams' last spare late gap
         self.pause_after_s = PAUSE_AFTER_TTFT_SHARE * targets.ttft_ms / 1000 if targets is not None else 0.0
-        self.order = ShortestFirst.for_device(device_type, max_num_batched_tokens)
         # without chunks a prompt wider than the cap could only wait for the decodes to end
         self.budget = StepBudget(targets.itl_ms / 1000) if targets is not None and chunked_prefill else None
+        # every step's work and time, fitted for the budget and for how many prompts share a step
+        self.step_times: StepTimes = self.budget if self.budget is not None else StepTimes()
+        self.order = ShortestFirst.for_device(device_type, max_num_batched_tokens, self.step_times)
         self._ledger: LateGapLedger | None = None
         self._whole_steps = False
         self._pacer: StepPacer | None = None
@@ -84,8 +86,7 @@ class StepPolicy:
         return self.budget.prompt_tokens(num_decoding, context)
 
     def observe_step(self, num_tokens: int, attention_pairs: float, seconds: float) -> None:
-        if self.budget is not None:
-            self.budget.observe(num_tokens, attention_pairs, seconds)
+        self.step_times.observe(num_tokens, attention_pairs, seconds)
 
     def takes_whole_step(self, prompt: Request, waited_s: float, streams: Mapping[str, int]) -> bool:
         """Whether `prompt`, which the cap holds back and has waited `waited_s`, takes a whole step beside

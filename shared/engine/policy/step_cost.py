@@ -73,19 +73,19 @@ def attention_pairs(num_new_tokens: int, context: int) -> float:
     return num_new_tokens * (context + num_new_tokens / 2)
 
 
-class StepBudget:
-    """Steps' work and times in (`observe`), the prompt tokens the next step may take out
-    (`prompt_tokens`)."""
+class StepTimes:
+    """Steps' work and times in (`observe`), the cost fitted to the recent ones out (`cost`)."""
 
-    def __init__(self, target_s: float, window: int = WINDOW) -> None:
-        if target_s <= 0:
-            raise ValueError(f"the step time target must be positive, got {target_s} s")
-        self.target_s = target_s
+    def __init__(self, window: int = WINDOW) -> None:
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # tokens, pairs, seconds
+        self._fitted: tuple[StepCost, np.ndarray] | None = None
+        self._fitted_at = -1  # steps observed when `_fitted` was fitted: a step asks for the fit twice
+        self._num_observed = 0
 
     def observe(self, num_tokens: int, pairs: float, seconds: float) -> None:
         """A step of `num_tokens` tokens whose prompts' attention spans `pairs` pairs took `seconds`."""
         self._steps.append((num_tokens, pairs, seconds))
+        self._num_observed += 1
 
     def cost(self) -> StepCost | None:
         """The cost fitted by least squares to the recent steps; without the attention term where
@@ -102,6 +102,11 @@ class StepBudget:
 
     def _fit(self) -> tuple[StepCost, np.ndarray] | None:
         """The fitted cost and each recent step's time less what the cost gives it."""
+        if self._fitted_at != self._num_observed:
+            self._fitted, self._fitted_at = self._fit_now(), self._num_observed
+        return self._fitted
+
+    def _fit_now(self) -> tuple[StepCost, np.ndarray] | None:
         if len(self._steps) < 2:
             return None
         steps = np.array(self._steps)
@@ -114,6 +119,17 @@ class StepBudget:
                 cost = StepCost(max(float(coef[0]), 0.0), float(coef[1]), float(coef[2]) if len(coef) == 3 else 0.0)
                 return cost, seconds - design @ coef
         return None
+
+
+class StepBudget(StepTimes):
+    """`StepTimes` with an inter-token target: the prompt tokens the next step may take beside
+    running decodes (`prompt_tokens`)."""
+
+    def __init__(self, target_s: float, window: int = WINDOW) -> None:
+        if target_s <= 0:
+            raise ValueError(f"the step time target must be positive, got {target_s} s")
+        super().__init__(window)
+        self.target_s = target_s
 
     def prompt_tokens(self, num_decoding: int, context: int) -> int:
         """Prompt tokens a step beside `num_decoding` decodes may take to end within the target, its

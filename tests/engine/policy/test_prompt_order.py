@@ -8,6 +8,7 @@ import pytest
 
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.policy.prompt_order import CPU_BATCH_TOKENS, ShortestFirst
+from shared.engine.policy.step_cost import StepTimes
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from tests.engine.test_scheduler import BLOCK_SIZE, make_req, plan, run_step
 
@@ -97,7 +98,27 @@ def test_two_chunked_prompts_that_fill_the_pool_both_finish() -> None:
 
 @pytest.mark.parametrize(("device", "expected"), [("cpu", CPU_BATCH_TOKENS), ("cuda", 2048)])
 def test_a_devices_prompts_share_a_step_up_to_its_batch(device: str, expected: int) -> None:
-    assert ShortestFirst.for_device(device, 2048).batch_tokens == expected
+    order = ShortestFirst.for_device(device, 2048, StepTimes())
+    assert order.batch_tokens == expected and order.batch_tokens_now() == expected  # nothing fitted yet
+
+
+def observed(fixed_s: float, per_token_s: float) -> StepTimes:
+    times = StepTimes()
+    for tokens in (16, 64, 128, 256, 512, 1024):
+        times.observe(tokens, 0.0, fixed_s + per_token_s * tokens)
+    return times
+
+
+@pytest.mark.parametrize(("fixed_s", "per_token_s", "expected"), [
+    (0.011, 0.002, CPU_BATCH_TOKENS),  # a model whose tokens cost far more than a step's fixed part
+    (0.003, 0.00001, 2048),  # a tiny model: 7 x 300 tokens' worth of fixed cost, capped at the step budget
+    (0.002, 0.0001, 140),  # between: 7 x 20 tokens
+])
+def test_on_a_cpu_prompts_share_a_step_until_its_fixed_cost_is_an_eighth_of_it(
+        fixed_s: float, per_token_s: float, expected: int) -> None:
+    order = ShortestFirst.for_device("cpu", 2048, observed(fixed_s, per_token_s))
+    assert order.batch_tokens_now() == pytest.approx(expected, abs=1)
+    assert order.step_prompt_tokens(first_share=4000) == 4000
 
 
 def test_bad_values_are_named() -> None:
