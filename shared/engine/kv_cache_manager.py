@@ -44,6 +44,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._req_blocks: dict[ReqId, list[Block]] = {}
+        # the same blocks' ids, kept beside them: every step reads each running request's table
+        self._req_block_ids: dict[ReqId, list[int]] = {}
         self._req_hashes: dict[ReqId, list[BlockHash]] = {}
         self._num_cached_blocks: dict[ReqId, int] = {}
         self._req_num_tokens: dict[ReqId, int] = {}
@@ -93,11 +95,13 @@ class KVCacheManager:
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return False
         blocks = self._req_blocks.setdefault(req.req_id, [])
+        num_held = len(blocks)
         if cached_blocks:
             self.pool.touch(cached_blocks)
             blocks.extend(cached_blocks)
             self._num_cached_blocks[req.req_id] = len(cached_blocks)
         blocks.extend(self.pool.allocate(num_new_blocks))
+        self._req_block_ids.setdefault(req.req_id, []).extend(b.block_id for b in blocks[num_held:])
         self._req_num_tokens[req.req_id] = max(req.num_computed_tokens, len(cached_blocks) * self.block_size) + num_new_tokens
         return True
 
@@ -121,6 +125,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         blocks = self._req_blocks.pop(req.req_id, [])
+        self._req_block_ids.pop(req.req_id, None)
         # free in reverse so a request's tail blocks are evicted before the prefix others may share
         self.pool.free(reversed(blocks))
         self._req_hashes.pop(req.req_id, None)
@@ -128,7 +133,8 @@ class KVCacheManager:
         self._req_num_tokens.pop(req.req_id, None)
 
     def block_ids(self, req_id: ReqId) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(req_id, ())]
+        """The request's block table, as kept here: read it, never change it."""
+        return self._req_block_ids.get(req_id, [])
 
     def blocks(self, req_id: ReqId) -> list[Block]:
         return self._req_blocks.get(req_id, [])
@@ -142,6 +148,10 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.ref_counts_from_tables())
+        tables = {req_id: [b.block_id for b in blocks] for req_id, blocks in self._req_blocks.items() if blocks}
+        kept = {req_id: ids for req_id, ids in self._req_block_ids.items() if ids}
+        if kept != tables:
+            raise AssertionError(f"block tables by id {kept} differ from the blocks held {tables}")
 
     def stats(self) -> KVCacheStats:
         allocated = sum(len(b) for b in self._req_blocks.values()) * self.block_size

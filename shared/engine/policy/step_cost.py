@@ -44,6 +44,7 @@ MIN_PROMPT_TOKENS = 16
 # CPU, and one step only
 PROBE_PROMPT_TOKENS = 64
 WINDOW = 64  # steps the cost is fitted to: a few seconds of steps, so it follows a changed lease
+REFIT_EVERY = 8  # steps between two fits once the window is full
 # the share of recent steps that may run past their fitted time by more than a step aims below it
 OVERRUN_QUANTILE = 0.9
 
@@ -79,7 +80,7 @@ class StepTimes:
     def __init__(self, window: int = WINDOW) -> None:
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=window)  # tokens, pairs, seconds
         self._fitted: tuple[StepCost, np.ndarray] | None = None
-        self._fitted_at = -1  # steps observed when `_fitted` was fitted: a step asks for the fit twice
+        self._fitted_at = -1  # steps observed when `_fitted` was fitted
         self._num_observed = 0
 
     def observe(self, num_tokens: int, pairs: float, seconds: float) -> None:
@@ -101,8 +102,12 @@ class StepTimes:
         return 0.0 if fit is None else _overrun(fit[1])
 
     def _fit(self) -> tuple[StepCost, np.ndarray] | None:
-        """The fitted cost and each recent step's time less what the cost gives it."""
-        if self._fitted_at != self._num_observed:
+        """The fitted cost and each recent step's time less what the cost gives it: fitted anew after
+        each step until the window is full, then every REFIT_EVERY steps (a fit is a least-squares
+        solve, 5% of a prefill worker's busy time when done every step, and a full window moves
+        little in a few steps)."""
+        since = self._num_observed - self._fitted_at
+        if since and (self._fitted_at < 0 or since >= REFIT_EVERY or len(self._steps) < self._steps.maxlen):
             self._fitted, self._fitted_at = self._fit_now(), self._num_observed
         return self._fitted
 
