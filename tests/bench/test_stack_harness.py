@@ -118,7 +118,8 @@ def test_write_result_writes_json_under_results_dir_with_the_machine(
     path = write_result("t", document)
     assert path == tmp_path / "results" / "t.json"
     written = json.loads(path.read_text())
-    assert {k: v for k, v in written.items() if k != "machine"} == document
+    assert {k: v for k, v in written.items() if k not in ("machine", "command")} == document
+    assert written["command"].startswith("python ")
     assert written["machine"]["cores"] == os.cpu_count()
     assert {"cpu", "isa", "torch", "auto_dtype", "date", "commit"} <= written["machine"].keys()
 
