@@ -28,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.collect:
-            for path in collect(args.source, args.results, describe_machine(), claimed):
+            copied = collect(args.source, args.results, describe_machine(), claimed)
+            for path in copied:
                 print(f"collected {path}", file=sys.stderr)
+            if not copied:
+                print(f"collected nothing: {args.source} holds no results of this machine", file=sys.stderr)
         documents = load_results(args.results, claimed)
     except ResultsError as error:
         print(f"error: {error}", file=sys.stderr)

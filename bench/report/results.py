@@ -50,9 +50,10 @@ def collect(source: Path, target: Path, machine: dict[str, Any], claims: Callabl
     older ones of the same name; returns what was copied. Refuses when `target` holds another
     machine's results, as one page shows one machine."""
     kept = {path.stem: _read(path) for path in sorted(target.glob("*.json"))}
-    if kept and machine_identity(machine_of(kept) or {}) != machine_identity(machine):
-        raise ResultsError(f"{target} holds results of another machine ({_short(next(iter(kept.values()))['machine'])}) "
-                           f"than this one ({_short(machine)}): delete them first to start this machine's page")
+    theirs = machine_of(kept)
+    if theirs is not None and machine_identity(theirs) != machine_identity(machine):
+        raise ResultsError(f"{target} holds results of another machine ({_short(theirs)}) than this one "
+                           f"({_short(machine)}): delete them first to start this machine's page")
     copied: list[Path] = []
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.glob("*.json")):

@@ -93,7 +93,8 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
                   for mode, hit, p50, kv in (("2+2, off", 0.88, 1200.0, 2.8), ("2+2, on", 0.94, 575.0, 0.0),
                                              ("1+1, on", 0.94, 1000.0, 0.0))},
     },
-    "overhead": {"table": {"columns": ["path", "ms"], "rows": [["engine alone", 10.5], ["through the gateway", 12.25]]}},
+    "overhead": {"table": {"columns": ["path", "ms"],
+                           "rows": [["engine alone", 10.5], ["through the gateway", 12.25]]}},
 }
 
 
@@ -101,6 +102,7 @@ def write_results(folder: Path, names: list[str] | None = None, machine: dict[st
     """The fixtures (or those of `names`, in that order) as JSON files with a machine and a command."""
     folder.mkdir(parents=True, exist_ok=True)
     for name in names if names is not None else list(DOCUMENTS):
-        document = copy.deepcopy(DOCUMENTS[name]) | {"machine": machine or MACHINE, "command": f"python -m bench.{name}"}
+        document = copy.deepcopy(DOCUMENTS[name]) | {"machine": machine or MACHINE,
+                                                      "command": f"python -m bench.{name}"}
         (folder / f"{name}.json").write_text(json.dumps(document))
     return folder

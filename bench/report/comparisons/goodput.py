@@ -14,7 +14,8 @@ def body(docs: Documents) -> list[str]:
     for doc in docs.values():
         t, runs = doc["targets"], doc["runs"]
         share = doc["config"]["share"]
-        lines += [f"Targets: TTFT {num(t['ttft_ms'], 0)} ms, inter-token ({t['itl_measure']}) {num(t['itl_ms'], 0)} ms; "
+        lines += [f"Targets: TTFT {num(t['ttft_ms'], 0)} ms, inter-token ({t['itl_measure']}) "
+                  f"{num(t['itl_ms'], 0)} ms; "
                   f"goodput: the highest rate up to which at least {share:.0%} of requests meet both.", ""]
         rates = sorted({p["request_rate"] for points in runs.values() for p in points})
         both = {label: {p["request_rate"]: p["both"] for p in points} for label, points in runs.items()}

@@ -11,7 +11,8 @@ def body(docs: Documents) -> list[str]:
     lines: list[str] = []
     for doc in docs.values():
         results = doc["results"]
-        contexts = [key.removeprefix(STEP_PREFIX) for key in next(iter(results.values())) if key.startswith(STEP_PREFIX)]
+        first = next(iter(results.values()))
+        contexts = [key.removeprefix(STEP_PREFIX) for key in first if key.startswith(STEP_PREFIX)]
         lines += [f"Model {doc['model_dtype'].removeprefix('torch.')}, a {doc['kv_bytes'] / 2**20:,.1f} MiB pool for "
                   f"every KV dtype, {doc['num_requests']} requests; agreement against the first row.", ""]
         header = ["KV dtype", "blocks", "peak running", "output tok/s", *(f"step ms @{int(c):,}" for c in contexts),

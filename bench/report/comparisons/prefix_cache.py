@@ -16,7 +16,8 @@ def body(docs: Documents) -> list[str]:
         lines += table(
             ["prefix caching", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "output tok/s", "hit rate",
              "KV handoff MiB/request"],
-            [[row["prefix_caching"], num(row["ttft_mean_ms"], 0), num(row["ttft_p50_ms"], 0), num(row["ttft_p99_ms"], 0),
+            [[row["prefix_caching"], num(row["ttft_mean_ms"], 0), num(row["ttft_p50_ms"], 0),
+              num(row["ttft_p99_ms"], 0),
               num(row["output_throughput_tok_s"], 2), percent(row["prefix_cache_hit_rate"]),
               num(row["handoff_mib_per_request"])] for row in doc["summary"]],
         )
