@@ -2,7 +2,8 @@
 
     describe_machine() -> dict
         cpu, cores, the ISA flags that decide the kernels (AVX2, AVX-512, native bf16, AMX), memory,
-        GPU, torch version, what `dtype=auto` runs here, the UTC date and the code's commit
+        GPU, torch version, what `dtype=auto` runs here, the UTC date, the code's commit, and the
+        1-minute load average as the result is written (above the core count, other work shared the cores)
     machine_identity(machine) -> tuple
         the fields that name the hardware (not the date, commit or software): two results with
         equal identities come from the same kind of machine and may share one page
@@ -43,6 +44,7 @@ def describe_machine() -> dict[str, Any]:
         "auto_dtype": str(resolve_dtype("auto", torch.device("cuda" if gpu else "cpu"))).removeprefix("torch."),
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "commit": _commit(),
+        "load_1m": round(os.getloadavg()[0], 1),
     }
 
 
