@@ -73,7 +73,13 @@ def _provenance(documents: Documents) -> str:
     dates = sorted({doc["machine"].get("date") or "?" for doc in documents.values()})
     commits = sorted({doc["machine"].get("commit") or "?" for doc in documents.values()})
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    return f"Results of {when}, at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."
+    line = f"Results of {when}, at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}."
+    loads = {name: doc["machine"]["load_1m"] for name, doc in documents.items() if "load_1m" in doc["machine"]}
+    if loads:
+        cores = next(iter(documents.values()))["machine"]["cores"]
+        line += (f" The 1-minute load average as each was written ({cores} cores; above that, other work shared "
+                 f"them and times read as rough): {', '.join(f'{name} {load:g}' for name, load in loads.items())}.")
+    return line
 
 
 def _checked(comparison: Comparison, docs: Documents, render: Callable[[Documents], list[T]]) -> list[T]:

@@ -40,6 +40,12 @@ def test_every_comparison_gets_a_section_with_its_command_and_plot(tmp_path: Pat
     assert page.count("\n") <= MAX_LINES
 
 
+def test_the_load_each_result_was_written_under_is_shown(tmp_path: Path) -> None:
+    write_results(tmp_path, ["engine"], machine=MACHINE | {"load_1m": 5.4})
+    write_results(tmp_path, ["routing"], machine=MACHINE | {"load_1m": 1.9})
+    assert "times read as rough): engine 5.4, routing 1.9." in render(tmp_path)
+
+
 def test_the_summary_sets_this_stack_beside_vllm_and_transformers(tmp_path: Path) -> None:
     page = render(write_results(tmp_path))
     assert "| serving, output tok/s (side_by_side) | 150.00 | 140.00 | 22.00 |" in page
