@@ -64,9 +64,12 @@ def collect(source: Path, target: Path, machine: dict[str, Any], claims: Callabl
             print(f"skipped {path}: made on {'an unknown machine' if found is None else _short(found)}, "
                   f"not this one", file=sys.stderr)
             continue
-        for file in (path, path.with_suffix(".png")):
-            if file.exists():
-                copied.append(Path(shutil.copy2(file, target / file.name)))
+        copied.append(Path(shutil.copy2(path, target / path.name)))
+        plot = path.with_suffix(".png")
+        if plot.exists():
+            copied.append(Path(shutil.copy2(plot, target / plot.name)))
+        else:  # an older run's plot would stand beside figures it does not show
+            (target / plot.name).unlink(missing_ok=True)
     return copied
 
 

@@ -127,6 +127,13 @@ def test_collect_copies_this_machines_results_and_plots_only(tmp_path: Path) -> 
     assert sorted(p.name for p in copied) == ["engine.json", "engine.png", "routing.json"]
 
 
+def test_collect_drops_the_plot_of_an_older_run_that_the_new_one_lacks(tmp_path: Path) -> None:
+    target = write_results(tmp_path / "docs", ["engine"])
+    (target / "engine.png").write_bytes(b"older run")
+    collect(write_results(tmp_path / "bench", ["engine"]), target, MACHINE, claimed)
+    assert not (target / "engine.png").exists()
+
+
 def test_collect_refuses_to_mix_machines_in_the_committed_folder(tmp_path: Path) -> None:
     write_results(tmp_path / "docs", ["engine"], machine=MACHINE | {"cpu": "Other CPU"})
     with pytest.raises(ResultsError, match="holds results of another machine"):
