@@ -68,12 +68,14 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def _commit() -> str | None:
-    """The short commit, with "-dirty" when the benchmarked code differs from it; None outside git."""
+    """The last commit that changed the benchmarked code (so results of the same code name the same
+    commit whatever came after in docs or tests), with "-dirty" when the code differs from it;
+    None outside git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        commit = git("rev-parse", "--short", "HEAD")
+        commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
     except (OSError, subprocess.CalledProcessError):
         return None
