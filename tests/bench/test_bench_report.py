@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.machine import describe_machine
+from bench.machine import describe_machine, machine_identity
 from bench.report.__main__ import MAX_LINES, main
 from bench.report.comparisons import COMPARISONS, claimed
 from bench.report.model import Target
@@ -101,6 +101,12 @@ def test_results_of_two_machines_are_refused_naming_the_file(tmp_path: Path) -> 
     write_results(tmp_path, ["routing"], machine=MACHINE | {"cpu": "Other CPU"})
     with pytest.raises(ResultsError, match=r"routing\.json comes from another machine \(Other CPU"):
         load_results(tmp_path, claimed)
+
+
+def test_a_machine_is_its_hardware_not_when_or_what_ran_on_it() -> None:
+    later = MACHINE | {"date": "2027-01-01", "commit": "def5678", "torch": "2.14.0", "load_1m": 3.0}
+    assert machine_identity(later) == machine_identity(MACHINE)
+    assert machine_identity(MACHINE | {"isa": ["avx2", "amx_bf16"]}) != machine_identity(MACHINE)
 
 
 def test_a_result_without_a_machine_is_refused(tmp_path: Path) -> None:
