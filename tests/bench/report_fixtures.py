@@ -55,8 +55,9 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
     },
     "handoff_tcp": {
         "config": {"transport": "tcp", "stream_min_tokens": None},
-        "summary": [{"prompt_tokens": n, "kv_bytes_per_request": n * 23040, "handoff_mean_s": s,
-                     "itl0_client_mean_s": 0.05, "ttft_client_mean_s": 0.5} for n, s in ((128, 0.012), (4096, 0.008))],
+        "summary": [{"prompt_tokens": n, "streamed": int(n >= 512), "kv_bytes_per_request": n * 23040,
+                     "handoff_mean_s": s, "itl0_client_mean_s": 0.05, "ttft_client_mean_s": 0.5}
+                    for n, s in ((128, 0.012), (4096, 0.008))],
     },
     "handoff_redis": {
         "config": {"transport": "redis", "stream_min_tokens": None},
