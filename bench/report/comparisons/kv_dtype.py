@@ -17,7 +17,7 @@ def body(docs: Documents) -> list[str]:
                   f"every KV dtype, {doc['num_requests']} requests; agreement against the first row.", ""]
         header = ["KV dtype", "blocks", "peak running", "output tok/s", *(f"step ms @{int(c):,}" for c in contexts),
                   "handoff MiB", "greedy same before divergence", "logprob mean abs diff"]
-        rows = [[f"{kv_dtype} ({r['format']})", str(r["blocks"]), str(r["peak_running"]), num(r["output_tokens_per_s"]),
+        rows = [[kv_dtype if r["format"] == kv_dtype else f"{kv_dtype} ({r['format']})", str(r["blocks"]), str(r["peak_running"]), num(r["output_tokens_per_s"]),
                  *(num(r[STEP_PREFIX + c]) for c in contexts), num(r["handoff_bytes"] / 2**20),
                  percent(r.get("prefix_agreement")), num(r.get("logprob_mean_abs_diff"), 4)]
                 for kv_dtype, r in results.items()]
