@@ -51,9 +51,10 @@ class Comparison:
         return name == self.prefix or name.startswith(self.prefix + "_")
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A Markdown table, first column left-aligned and the others right-aligned (numbers)."""
-    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int = 1) -> list[str]:
+    """A Markdown table: the first `text_columns` left-aligned, the others right-aligned (numbers)."""
+    align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 

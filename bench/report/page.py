@@ -55,7 +55,8 @@ def machine_line(machine: dict[str, Any]) -> str:
 
 
 def targets_table(targets: Sequence[Target]) -> list[str]:
-    return table(["target", "measured", "met?"], [[t.goal, t.measured, "yes" if t.met else "no"] for t in targets])
+    return table(["target", "measured", "met?"], [[t.goal, t.measured, "yes" if t.met else "no"] for t in targets],
+                 text_columns=3)
 
 
 def section(comparison: Comparison, docs: Documents, plots: Collection[str], results_link: str) -> list[str]:

@@ -29,7 +29,7 @@ def body(docs: Documents) -> list[str]:
                              # the long prompts' TTFT belongs to the mode: once, on its first row
                              f"{_p(ttft, 'p50')} / {_p(ttft, 'p100')}" if key == "itl_ms" else ""])
         lines += table(["mode", "short-request ITL", "p50 no burst / burst (ms)", "p99 no burst / burst (ms)",
-                        "p99 ratio", "long-prompt TTFT p50 / max (ms)"], rows)
+                        "p99 ratio", "long-prompt TTFT p50 / max (ms)"], rows, text_columns=2)
     return lines
 
 
