@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 
 .PHONY: install run test test-fast bench bench-engine bench-kv-reservation bench-interference bench-prefix-cache \
-	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype bench-overhead compose-test clean
+	bench-handoff bench-side-by-side bench-goodput bench-routing bench-kv-dtype bench-overhead bench-report compose-test \
+	clean
 
 install: $(STAMP)
 
@@ -30,7 +31,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
-# Each comparison of docs/benchmarks.md is one command; `make bench` runs them all (about an hour on 2 cores).
+# Each comparison of docs/benchmarks.md is one command writing bench/results/<name>.json; `make bench` runs them
+# all (about an hour on 2 cores). `make bench-report ARGS=--collect` then copies them into docs/results/ and renders
+# docs/benchmarks.md; `make bench-report` alone renders it again from docs/results/.
 bench-engine: install
 	$(PY) -m bench.engine $(ARGS)
 
@@ -50,7 +53,7 @@ bench-handoff: install
 	$(PY) -m bench.handoff $(ARGS)
 
 # ARGS="--vllm ENV/bin/python" adds vLLM's CPU build, ARGS="--llama-server /path/to/llama-server" llama.cpp's
-# server (docs/benchmarks.md says how to install each)
+# server (docs/benchmarking.md says how to install vLLM)
 bench-side-by-side: install
 	$(PY) -m bench.side_by_side $(ARGS)
 
@@ -66,6 +69,11 @@ bench-routing: install
 # CPU µs per output token by process; ARGS="--vllm ENV/bin/python" adds vLLM's engine and server
 bench-overhead: install
 	$(PY) -m bench.overhead $(ARGS)
+
+# docs/benchmarks.md from the committed results in docs/results/; ARGS=--collect first copies this machine's
+# latest bench/results/ there
+bench-report: install
+	$(PY) -m bench.report $(ARGS)
 
 bench: bench-engine bench-kv-reservation bench-interference bench-prefix-cache bench-handoff bench-side-by-side bench-goodput \
 	bench-routing bench-kv-dtype bench-overhead

@@ -14,7 +14,6 @@ length up front.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.hf_export import hf_checkpoint
+from bench.result_files import RESULTS_DIR, save_result
 from shared.engine.engine import Engine
 from shared.engine.sampling_params import SamplingParams
 from shared.model.loader import LoadedModel, load_model
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of both static runs")
     parser.add_argument("--kv-memory-gib", type=float, default=2.0)
     parser.add_argument("--skip-hf", action="store_true", help="only run this engine")
-    parser.add_argument("--result-json", type=Path, default=Path("bench/results/engine.json"))
+    parser.add_argument("--result-json", type=Path, default=RESULTS_DIR / "engine.json")
     args = parser.parse_args(argv)
 
     loaded = load_model(args.model)
@@ -236,8 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {ratio:.2f}x")
     print(f"KV utilisation (live / allocated slots), continuous run: paged {ours.kv_utilization:.1%}, "
           f"reserving max length {ours.reserved_kv_utilization:.1%}; {ours.steps} steps, {ours.preemptions} preemptions")
-    args.result_json.parent.mkdir(parents=True, exist_ok=True)
-    args.result_json.write_text(json.dumps(report, indent=2))
+    save_result(args.result_json, report)
 
 
 if __name__ == "__main__":

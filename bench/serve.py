@@ -21,9 +21,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.result_files import save_result
 from bench.serving.client import Target, fetch_model_name
 from bench.serving.metrics import GoodputSLO, compute_metrics, parse_goodput, parse_percentiles
-from bench.serving.report import format_summary, result_document, write_json
+from bench.serving.report import format_summary, result_document
 from bench.serving.runner import LoadSpec, run_benchmark
 from bench.serving.workload import (
     WORKLOADS,
@@ -174,7 +175,7 @@ async def run(args: argparse.Namespace, plan: Plan) -> int:
     print(format_summary(metrics))
     document = result_document(run_config(args, model), metrics, outcome.results)
     if args.result_json:
-        write_json(args.result_json, document)
+        save_result(args.result_json, document)
         print(f"results: {args.result_json}", file=sys.stderr)
     if args.plot_dir:
         from bench.serving.plots import write_plots  # matplotlib is only needed for plots

@@ -26,10 +26,8 @@ load it through the gateway, read the workers' Prometheus counters, and store th
         the same URLs keyed by worker id, which is the worker's name in `stack.process_ids()`
     scrape_workers(stack, role) -> dict[str, float]
         every live worker of `role` scraped into one dict (their series differ in `worker_id`)
-    write_result(name, document) -> Path
-        bench/results/<name>.json
-    write_figure(name, figure) -> Path
-        bench/results/<name>.png
+    write_result(name, document) -> Path, write_figure(name, figure) -> Path
+        bench/results/<name>.json (stamped with the machine) and .png, from bench/result_files.py
     format_table(header, rows) -> str
         a Markdown table, as docs/benchmarks.md shows them
 
@@ -50,19 +48,16 @@ import functools
 import urllib.request
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import numpy as np
-from matplotlib.figure import Figure
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.result_files import RESULTS_DIR, write_figure, write_result
 from bench.serve import load_tokenizer
 from bench.serving.client import RequestResult, Target, fetch_model_name
 from bench.serving.compare import format_markdown
 from bench.serving.metrics import BenchmarkMetrics, compute_metrics
-from bench.serving.report import write_json
 from bench.serving.runner import LoadSpec, run_benchmark
 from bench.serving.workload import BenchRequest, vocab_from_tokenizer
 from services.launcher import Stack, StackConfig
@@ -71,7 +66,6 @@ from shared.protocol import WorkerStatus
 from shared.settings import RedisSettings
 from shared.streams import Bus
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REQUEST_TIMEOUT_S = 600.0  # long prompts queue behind each other on a CPU-only machine
 SCRAPE_TIMEOUT_S = 30.0
 WORKER_HOST = "127.0.0.1"  # a Stack's workers run on this machine
@@ -167,19 +161,6 @@ async def _live_workers(stack: Stack, role: str) -> list[WorkerStatus]:
         return await bus.live_workers(role)
     finally:
         await bus.close()
-
-
-def write_result(name: str, document: dict[str, Any]) -> Path:
-    path = RESULTS_DIR / f"{name}.json"
-    write_json(path, document)
-    return path
-
-
-def write_figure(name: str, figure: Figure) -> Path:
-    path = RESULTS_DIR / f"{name}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    return path
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

@@ -84,7 +84,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return getattr(torch, dtype)
     if device.type == "cuda":
         return torch.bfloat16
-    # measured (docs/benchmarks-history.md): with native bf16 matrix units (AMX, AVX512-BF16) bfloat16
+    # measured (bench.engine, on each kind of machine): with native bf16 matrix units (AMX, AVX512-BF16) bfloat16
     # runs the engine about twice as fast as float32; without them bf16 is emulated and slower
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 

@@ -1,7 +1,7 @@
 """y = x W^T + b, with W packed once for oneDNN where that is faster than plain F.linear.
 
-On the CPU in float32, F.linear calls MKL, which on the 2-core AMD EPYC of
-docs/benchmarks-history.md runs the LM head (49152 x 576) 2.3x slower at batch 64, and the MLP's
+On the CPU in float32, F.linear calls MKL, which on a 2-core AMD EPYC (Zen 3, AVX2)
+runs the LM head (49152 x 576) 2.3x slower at batch 64, and the MLP's
 gate/up projection 2x slower at batch 16, than oneDNN with the weight reordered once into
 its blocked layout; no shape measured was slower by more than a few microseconds. So the
 weights are packed at load and every call goes through oneDNN's linear. In bfloat16 on a CPU
@@ -30,8 +30,8 @@ streams the 2 bytes, on two it does). With AMX, oneDNN multiplies on the tile un
 float32 kernel's crossover above stands.
 
 At prefill sizes on an AVX2 CPU, float32, the layers' products of at least PLAIN_MIN_ROWS rows
-go back to F.linear (MKL) on a plain copy of the weight: on the 2-core EPYC of machine J
-(docs/benchmarks-history.md) MKL took 9-13% less time than oneDNN for the model's 210 layer products at
+go back to F.linear (MKL) on a plain copy of the weight: on a 2-core EPYC (Zen 3, AVX2)
+MKL took 9-13% less time than oneDNN for the model's 210 layer products at
 96-2,048 rows on one core, and 7-11% less at 512-1,024 rows on two, which made the guide's burst
 about 10% faster end to end (the prefill worker's core sets its pace). Below 256 rows on two
 threads oneDNN was as fast or faster (26% at 64 rows), so decode batches stay with it. The plain

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import handoff, prefix_cache, servers, side_by_side, stack_harness
+from bench import handoff, prefix_cache, result_files, servers, side_by_side, stack_harness
 from bench.serving.workload import BenchRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -21,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(result_files, "RESULTS_DIR", tmp_path)
     return tmp_path
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import goodput as goodput_bench
-from bench import stack_harness
+from bench import result_files
 from bench.serving.attainment import Attainment, LatencyTargets, Miss, attainment, goodput
 from bench.serving.client import RequestResult
 from bench.serving.runner import LoadSpec
@@ -88,7 +88,7 @@ def test_pauses_need_the_p90_measure(capsys: pytest.CaptureFixture[str]) -> None
 def test_a_small_sweep_calibrates_targets_and_reports_goodput(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(result_files, "RESULTS_DIR", tmp_path)
     argv = ["--servers", "disaggregated", "--rates", "2,4", "--min-requests", "2", "--duration-s", "1",
             "--input-len", "16", "--output-len", "4", "--calibration-requests", "1", "--warmup-requests", "2",
             "--stop-below", "0"]

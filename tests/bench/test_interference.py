@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import interference, stack_harness
+from bench import interference, result_files
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,7 +32,7 @@ def test_invalid_options_are_named(argv: list[str], message: str) -> None:
 def test_a_tiny_run_of_both_modes_reports_itl_around_the_burst(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(result_files, "RESULTS_DIR", tmp_path)
     argv = ["--num-short", "3", "--rate", "4", "--short-input-len", "16", "--short-min-tokens", "4",
             "--short-max-tokens", "6", "--num-long", "1", "--long-input-len", "256", "--burst-at", "0.3",
             "--num-warmups", "0", "--kv-memory-mib", "32", "--max-num-batched-tokens", "64", "--dtype", "float32",

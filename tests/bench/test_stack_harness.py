@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from bench import stack_harness
+from bench import result_files
 from bench.stack_harness import format_table, metric_sum, scrape_metrics, vocab_ids, worker_metrics_urls, write_result
 from services.runtime.health import create_health_app
 from services.launcher import Stack, StackConfig
@@ -110,12 +110,18 @@ async def test_worker_urls_come_from_live_heartbeats() -> None:
         await bus.close()
 
 
-def test_write_result_writes_json_under_results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stack_harness, "RESULTS_DIR", tmp_path / "results")
+def test_write_result_writes_json_under_results_dir_with_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(result_files, "RESULTS_DIR", tmp_path / "results")
     document = {"summary": [{"x": 1.5}], "config": {"name": "t"}}
     path = write_result("t", document)
     assert path == tmp_path / "results" / "t.json"
-    assert json.loads(path.read_text()) == document
+    written = json.loads(path.read_text())
+    assert {k: v for k, v in written.items() if k not in ("machine", "command")} == document
+    assert written["command"].startswith("python ")
+    assert written["machine"]["cores"] == os.cpu_count()
+    assert {"cpu", "isa", "torch", "auto_dtype", "date", "commit"} <= written["machine"].keys()
 
 
 def test_format_table_is_markdown() -> None:

@@ -1,0 +1,162 @@
+"""make bench-report: docs/benchmarks.md rendered from result files (fixtures in report_fixtures.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.machine import describe_machine, machine_identity
+from bench.report.__main__ import MAX_LINES, main
+from bench.report.comparisons import COMPARISONS, claimed
+from bench.report.model import Target
+from bench.report.page import render_page
+from bench.report.results import ResultsError, collect, load_results
+from tests.bench.report_fixtures import DOCUMENTS, MACHINE, write_results
+
+
+def render(folder: Path) -> str:
+    documents = load_results(folder, claimed)
+    return render_page(COMPARISONS, documents, {p.stem for p in folder.glob("*.png")}, "results")
+
+
+def targets_rows(page: str) -> dict[str, str]:
+    """The targets table's goal -> met? cells."""
+    block = page.split("## Targets\n\n", 1)[1].split("\n\n", 1)[0]
+    return {cells[1].strip(): cells[3].strip() for cells in (row.split("|") for row in block.splitlines()[2:])}
+
+
+def test_every_comparison_gets_a_section_with_its_command_and_plot(tmp_path: Path) -> None:
+    folder = write_results(tmp_path / "results")
+    (folder / "interference.png").write_bytes(b"png")
+    page = render(folder)
+    for comparison in COMPARISONS:
+        assert f"\n## {comparison.title}\n" in page
+    assert "python -m bench.handoff_redis" in page and "python -m bench.engine" in page
+    assert "disaggregated vs colocated: interference](results/interference.png)" in page
+    assert "| through the gateway | 12.25 |" in page  # overhead's table, rendered generically
+    assert "Test CPU, 2 cores (avx2), 8 GiB, no GPU; PyTorch 2.13.0, where `dtype=auto` runs float32." in page
+    assert page.count("\n") <= MAX_LINES
+
+
+def test_the_load_each_result_was_written_under_is_shown(tmp_path: Path) -> None:
+    write_results(tmp_path, ["engine"], machine=MACHINE | {"load_1m": 5.4})
+    write_results(tmp_path, ["routing"], machine=MACHINE | {"load_1m": 1.9})
+    assert "times read as rough): engine 5.4, routing 1.9." in render(tmp_path)
+
+
+def test_the_summary_sets_this_stack_beside_vllm_and_transformers(tmp_path: Path) -> None:
+    page = render(write_results(tmp_path))
+    assert "| serving, output tok/s (side_by_side) | 150.00 | 140.00 | 22.00 |" in page
+    assert "| engine alone, output tok/s (engine) | 50.0 | - | 10.0 |" in page
+
+
+def test_the_same_results_render_the_same_page_whatever_the_files_order(tmp_path: Path) -> None:
+    names = list(DOCUMENTS)
+    first = render(write_results(tmp_path / "a", names))
+    second = render(write_results(tmp_path / "b", names[::-1]))
+    assert first == second
+    assert render(tmp_path / "a") == first
+
+
+def test_a_missing_result_leaves_out_its_section_and_targets(tmp_path: Path) -> None:
+    page = render(write_results(tmp_path, [n for n in DOCUMENTS if n != "prefix_cache"]))
+    assert "Prefix caching" not in page
+    assert "prefix_cache" not in page
+    assert not any("prefix caching" in goal for goal in targets_rows(page))
+
+
+def test_no_results_give_a_page_that_says_so(tmp_path: Path) -> None:
+    page = render_page(COMPARISONS, {}, set(), "results")
+    assert "No results yet" in page and "## Targets" not in page
+
+
+@pytest.mark.parametrize(("mean_ratio", "met"), [(8.0, "yes"), (2.0, "no")])
+def test_a_target_row_says_no_when_its_number_is_below_the_target(tmp_path: Path, mean_ratio: float, met: str) -> None:
+    folder = write_results(tmp_path, ["prefix_cache"])
+    document = json.loads((folder / "prefix_cache.json").read_text())
+    document["ttft_ratio_off_on"]["mean"] = mean_ratio
+    (folder / "prefix_cache.json").write_text(json.dumps(document))
+    rows = targets_rows(render(folder))
+    assert rows == {"prefix caching cuts the mean TTFT at least 3x on a shared-prefix workload": met}
+
+
+def test_targets_with_a_ceiling_fail_above_it() -> None:
+    assert Target("p99 ratio within 1.5x", 1.4, 1.5, "1.40x", higher_is_better=False).met
+    assert not Target("p99 ratio within 1.5x", 1.6, 1.5, "1.60x", higher_is_better=False).met
+
+
+def test_the_targets_come_from_the_results(tmp_path: Path) -> None:
+    rows = targets_rows(render(write_results(tmp_path)))
+    assert rows["output throughput at least 5x transformers' static batching"] == "yes"  # 150 / 22
+    assert rows["goodput under latency targets at least 1.5x vLLM's CPU build"] == "no"  # 1 vs 1 req/s
+    handoff = "KV handoff over the socket: the wait left after a 4,096-token prefill at least 5x below Redis's"
+    assert rows[handoff] == "yes"  # 8 vs 700 ms
+    assert rows["routing: follow-ups' TTFT p50 at least 2x lower than the shared stream"] == "yes"  # 1200 / 575
+
+
+def test_a_prompt_below_the_stream_minimum_shows_as_a_whole_transfer(tmp_path: Path) -> None:
+    page = render(write_results(tmp_path, ["handoff_tcp"]))
+    assert "| tcp, whole | 128 |" in page and "| tcp, streamed | 4,096 |" in page
+
+
+def test_results_of_two_machines_are_refused_naming_the_file(tmp_path: Path) -> None:
+    write_results(tmp_path, ["engine"])
+    write_results(tmp_path, ["routing"], machine=MACHINE | {"cpu": "Other CPU"})
+    with pytest.raises(ResultsError, match=r"routing\.json comes from another machine \(Other CPU"):
+        load_results(tmp_path, claimed)
+
+
+def test_a_machine_is_its_hardware_not_when_or_what_ran_on_it() -> None:
+    later = MACHINE | {"date": "2027-01-01", "commit": "def5678", "torch": "2.14.0", "load_1m": 3.0}
+    assert machine_identity(later) == machine_identity(MACHINE)
+    assert machine_identity(MACHINE | {"isa": ["avx2", "amx_bf16"]}) != machine_identity(MACHINE)
+
+
+def test_a_result_without_a_machine_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "engine.json").write_text(json.dumps(DOCUMENTS["engine"]))
+    with pytest.raises(ResultsError, match=r"engine\.json has no machine description"):
+        load_results(tmp_path, claimed)
+
+
+def test_a_result_of_another_shape_is_named_in_the_error(tmp_path: Path) -> None:
+    folder = write_results(tmp_path, ["kv_reservation"])
+    document = json.loads((folder / "kv_reservation.json").read_text())
+    del document["kv_pool"]
+    (folder / "kv_reservation.json").write_text(json.dumps(document))
+    with pytest.raises(ResultsError, match=r"kv_reservation\.json: not the shape .* 'kv_pool'"):
+        render(folder)
+
+
+def test_collect_copies_this_machines_results_and_plots_only(tmp_path: Path) -> None:
+    source = write_results(tmp_path / "bench", ["engine", "routing"])
+    write_results(source, ["kv_dtype"], machine=MACHINE | {"cpu": "Other CPU"})
+    (source / "engine.png").write_bytes(b"png")
+    (source / "gpu_bench-20261206.json").write_text(json.dumps({"machine": MACHINE}))  # no comparison renders it
+    copied = collect(source, tmp_path / "docs", MACHINE, claimed)
+    assert sorted(p.name for p in copied) == ["engine.json", "engine.png", "routing.json"]
+
+
+def test_collect_drops_the_plot_of_an_older_run_that_the_new_one_lacks(tmp_path: Path) -> None:
+    target = write_results(tmp_path / "docs", ["engine"])
+    (target / "engine.png").write_bytes(b"older run")
+    collect(write_results(tmp_path / "bench", ["engine"]), target, MACHINE, claimed)
+    assert not (target / "engine.png").exists()
+
+
+def test_collect_refuses_to_mix_machines_in_the_committed_folder(tmp_path: Path) -> None:
+    write_results(tmp_path / "docs", ["engine"], machine=MACHINE | {"cpu": "Other CPU"})
+    with pytest.raises(ResultsError, match="holds results of another machine"):
+        collect(write_results(tmp_path / "bench", ["routing"]), tmp_path / "docs", MACHINE, claimed)
+
+
+def test_the_command_collects_and_renders(tmp_path: Path) -> None:
+    source = write_results(tmp_path / "bench", ["engine", "prefix_cache"], machine=describe_machine())
+    out = tmp_path / "docs" / "benchmarks.md"
+    argv = ["--source", str(source), "--results", str(tmp_path / "docs" / "results"), "--out", str(out)]
+    assert main([*argv, "--collect"]) == 0
+    page = out.read_text()
+    assert "## Prefix caching on vs off" in page
+    assert main(argv) == 0
+    assert out.read_text() == page
