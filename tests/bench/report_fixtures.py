@@ -94,8 +94,14 @@ DOCUMENTS: dict[str, dict[str, Any]] = {
                   for mode, hit, p50, kv in (("2+2, off", 0.88, 1200.0, 2.8), ("2+2, on", 0.94, 575.0, 0.0),
                                              ("1+1, on", 0.94, 1000.0, 0.0))},
     },
-    "overhead": {"table": {"columns": ["path", "ms"],
-                           "rows": [["engine alone", 10.5], ["through the gateway", 12.25]]}},
+    "overhead": {
+        "table": [{"row": system, "output_tok_s": tok_s, "share_of_own_engine": share, "vs_vllm": None,
+                   "cpu_us_per_token": cpu, "cpu_vs_vllm": None, "cpu_us_per_token.engine": cpu,
+                   "client_cpu_us_per_token": None}
+                  for system, tok_s, share, cpu in (("this engine alone", 8267.0, None, 237.0),
+                                                    ("this stack", 3783.0, 0.4576, 473.0))],
+        "sweep": [], "phases": [],
+    },
 }
 
 
