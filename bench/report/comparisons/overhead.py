@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from bench.report.model import Comparison, Documents
+from typing import Any
+
+from bench.report.model import Comparison, Documents, SummaryRow, Target, num, ratio
+
+ENGINE, STACK = "this engine alone", "this stack"
+VLLM_ENGINE, VLLM_SERVER = "vLLM engine alone", "vLLM server"
+STACK_SHARE = 0.85  # the stack keeps at least this share of its own engine's throughput
+SERVER_FACTOR = 1.2  # and serves at least this many times vLLM's server
 
 
 def body(docs: Documents) -> list[str]:
@@ -17,10 +24,51 @@ def body(docs: Documents) -> list[str]:
     return lines
 
 
+def _rows(docs: Documents) -> dict[str, dict[str, Any]]:
+    return {row["row"]: row for doc in docs.values() if isinstance(doc.get("table"), list) for row in doc["table"]}
+
+
+def summary(docs: Documents) -> list[SummaryRow]:
+    rows = _rows(docs)
+    found = []
+    for measure, ours, theirs in (("engine alone", ENGINE, VLLM_ENGINE), ("serving", STACK, VLLM_SERVER)):
+        if ours in rows:
+            vllm = rows.get(theirs)
+            found += [
+                SummaryRow(f"{measure}, tiny model, output tok/s", num(rows[ours]["output_tok_s"], 0),
+                           "-" if vllm is None else num(vllm["output_tok_s"], 0)),
+                SummaryRow(f"{measure}, tiny model, CPU µs per output token", num(rows[ours]["cpu_us_per_token"], 0),
+                           "-" if vllm is None else num(vllm["cpu_us_per_token"], 0)),
+            ]
+    return found
+
+
+def targets(docs: Documents) -> list[Target]:
+    rows = _rows(docs)
+    found = []
+    engine, stack = rows.get(ENGINE), rows.get(STACK)
+    vllm_engine, vllm_server = rows.get(VLLM_ENGINE), rows.get(VLLM_SERVER)
+    if engine is not None and vllm_engine is not None:
+        value = engine["output_tok_s"] / vllm_engine["output_tok_s"]
+        found.append(Target("tiny model: this engine alone at least level with vLLM's engine alone", value, 1.0,
+                            f"{ratio(value)} ({num(engine['output_tok_s'], 0)} vs {num(vllm_engine['output_tok_s'], 0)} tok/s)"))
+    if engine is not None and stack is not None:
+        value = stack["output_tok_s"] / engine["output_tok_s"]
+        found.append(Target(f"tiny model: the stack keeps at least {STACK_SHARE:.0%} of its engine's throughput", value,
+                            STACK_SHARE, f"{value:.0%}"))
+    if stack is not None and vllm_server is not None:
+        value = stack["output_tok_s"] / vllm_server["output_tok_s"]
+        found.append(Target(f"tiny model: the stack at least {SERVER_FACTOR:g}x vLLM's server", value, SERVER_FACTOR,
+                            f"{ratio(value)} ({num(stack['output_tok_s'], 0)} vs {num(vllm_server['output_tok_s'], 0)} tok/s)"))
+    return found
+
+
 COMPARISON = Comparison(
     prefix="overhead",
     title="The serving stack's overhead",
     what="What the gateway, the streams and the workers add to the engine alone, on a tiny random-weight "
          "model whose compute is almost nothing: output tokens/s, and CPU time per output token by process.",
     body=body,
+    targets=targets,
+    summary=summary,
 )
