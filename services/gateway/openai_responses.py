@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import codecs
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +206,20 @@ def models_body(model_ids: list[str], created: int, owned_by: str) -> dict[str, 
 
 def sse_event(obj: dict[str, Any]) -> bytes:
     """One server-sent event, its JSON compact and in UTF-8. orjson, not json: a streamed token costs
-    one chunk, and json.dumps was 7% of a busy gateway's time (py-spy, a 256-request burst). Logprobs are floored
-    (LOGPROB_FLOOR) before they get here, so no infinity reaches it (orjson would write null)."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    one chunk, and json.dumps was 7% of a busy gateway's time (py-spy, a 256-request burst). orjson
+    writes NaN and infinities as null; JSON has neither, so they raise, as json.dumps did. Logprobs
+    are the only floats a chunk carries, so only chunks with logprobs are checked."""
+    body = orjson.dumps(obj)
+    if b"logprob" in body and not _all_finite(obj):
+        raise ValueError(f"Out of range float values are not JSON compliant: {obj!r}")
+    return b"data: " + body + b"\n\n"
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_all_finite(v) for v in value)
+    return True
