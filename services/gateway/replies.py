@@ -39,7 +39,7 @@ class ReplyRouter:
     def __init__(self, bus: Bus, gateway_id: str, phase_seconds: dict[str, float] | None = None) -> None:
         """`phase_seconds`: where the time routing takes is added (GatewayMetrics.phase_seconds)."""
         self._bus = bus
-        self._phase_seconds = phase_seconds if phase_seconds is not None else {}
+        self._phase_seconds = phase_seconds if phase_seconds is not None else {ROUTE: 0.0}
         self.gateway_id = gateway_id
         self.stream = bus.keys.replies(gateway_id)
         self._epoch_key = bus.keys.epoch(gateway_id)
@@ -154,7 +154,7 @@ class ReplyRouter:
                 self.route(msg)
             except Exception:  # one bad entry must not stop the replies of every other request
                 logger.exception("routing a reply failed")
-        self._phase_seconds[ROUTE] = self._phase_seconds.get(ROUTE, 0.0) + time.perf_counter() - started
+        self._phase_seconds[ROUTE] += time.perf_counter() - started
 
     def route(self, msg: Message | None) -> None:
         if not isinstance(msg, TokenBatch):
