@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels import cpu_attention, cpu_layer_ops
+from kernels import cpu_attention, cpu_layer_ops, gumbel_argmax
 from kernels.kv_quant import KVFormat, unscaled_format
 from shared.engine.sampler import Sampler, SamplingInput, build_sampling_batch
 from shared.engine.scheduler import ScheduledBatch, StepResult
@@ -76,7 +76,7 @@ class ModelRunner:
         if model.device.type == "cpu":
             # build the C kernels (a first start compiles them, ~20 s on 2 cores) while the worker loads,
             # not inside its first request
-            for load in (cpu_layer_ops.load, cpu_attention.load, cpu_attention.load_prefill):
+            for load in (cpu_layer_ops.load, cpu_attention.load, cpu_attention.load_prefill, gumbel_argmax.load):
                 load()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
