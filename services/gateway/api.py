@@ -115,7 +115,8 @@ async def _write_events(
     try:
         async for deltas in gen.delta_batches():
             started = time.perf_counter()
-            await response.write(b"".join([sse_event(fmt.chunk(meta, delta)) for delta in deltas]))
+            await response.write(b"".join([sse_event(fmt.chunk(meta, delta), has_floats=delta.logprobs is not None)
+                                            for delta in deltas]))
             phase_seconds[SSE] += time.perf_counter() - started
         if include_usage:
             await response.write(sse_event(fmt.usage_chunk(meta, gen.usage)))

@@ -174,4 +174,4 @@ def test_sse_framing_round_trips_through_openai_decoder() -> None:
 
 def test_sse_refuses_non_json_numbers() -> None:
     with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
-        sse_event({"logprob": math.nan})
+        sse_event({"logprob": math.nan}, has_floats=True)
