@@ -174,6 +174,9 @@ def mode_config(mode: str, args: argparse.Namespace) -> StackConfig:
     env = {
         "LLMD_KV_CACHE__MEMORY_BYTES": str(args.kv_memory_mib * 2**20),
         "LLMD_SCHEDULER__MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+        # torch's OpenMP threads sleep at barriers instead of spinning: a worker with several threads
+        # whose cores the gateway, Redis and this client also use is otherwise up to 10x slower
+        "OMP_WAIT_POLICY": "PASSIVE",
     }
     if mode == "disaggregated":
         config = stack_config(env | {"LLMD_WORKER__KV_TRANSPORT": args.kv_transport})

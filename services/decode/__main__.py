@@ -1,10 +1,6 @@
 """`python -m services.decode`: one decode worker, configured from LLMD_* environment variables."""
 
-from services.runtime.omp_wait import sleep_between_regions
-
-sleep_between_regions()  # before torch loads: see the module
-
-from services.decode.worker import DecodeWorker  # noqa: E402
-from services.runtime.worker import main  # noqa: E402
+from services.decode.worker import DecodeWorker
+from services.runtime.worker import main
 
 main(DecodeWorker)

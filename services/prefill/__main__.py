@@ -1,10 +1,6 @@
 """`python -m services.prefill`: one prefill worker, configured from LLMD_* environment variables."""
 
-from services.runtime.omp_wait import sleep_between_regions
-
-sleep_between_regions()  # before torch loads: see the module
-
-from services.prefill.worker import PrefillWorker  # noqa: E402
-from services.runtime.worker import main  # noqa: E402
+from services.prefill.worker import PrefillWorker
+from services.runtime.worker import main
 
 main(PrefillWorker)
