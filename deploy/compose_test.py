@@ -147,7 +147,7 @@ def check_stream(lines: list[str], max_tokens: int) -> str:
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
-        pass  # one line per wheel fetched would bury the figures
+        """Logs nothing: one line per wheel fetched would bury the figures."""
 
 
 @contextlib.contextmanager
