@@ -39,9 +39,7 @@ def load() -> ctypes.CDLL | None:
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """[rows] int64: the first index of each row's largest score, as `scores.max(dim=-1).indices`
     gives it where no score is NaN. scores: float32 [rows, vocab] on the CPU, last dim contiguous."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the argmax kernel is not built (see the warning logged for {SOURCE})")
+    lib = _built("argmax")
     _check_scores(scores, "argmax")
     out = torch.empty(scores.shape[0], dtype=torch.int64)
     if lib.argmax_rows(out.data_ptr(), scores.data_ptr(), scores.stride(0), scores.shape[0], scores.shape[1]):
@@ -54,9 +52,7 @@ def argmax_fold(best: torch.Tensor, best_ids: torch.Tensor, scores: torch.Tensor
     the row's running maximum `best` (float32 [rows]) and its first index `best_ids` (int64 [rows]),
     in place: over slices taken in order of offset, from -inf and -1, `best_ids` ends as `argmax`
     over the whole rows would give it (-1 where a row has no value above -inf)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the argmax kernel is not built (see the warning logged for {SOURCE})")
+    lib = _built("argmax")
     _check_scores(scores, "argmax")
     rows = scores.shape[0]
     for name, tensor, dtype in (("best", best, torch.float32), ("best_ids", best_ids, torch.int64)):
@@ -64,6 +60,13 @@ def argmax_fold(best: torch.Tensor, best_ids: torch.Tensor, scores: torch.Tensor
             raise ValueError(f"{name} must be contiguous {dtype} [{rows}], got {tensor.dtype} {list(tensor.shape)}")
     lib.argmax_fold(best.data_ptr(), best_ids.data_ptr(), scores.data_ptr(), scores.stride(0), rows,
                     scores.shape[1], offset)
+
+
+def _built(kernel: str) -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the {kernel} kernel is not built (see the warning logged for {SOURCE})")
+    return lib
 
 
 def _check_scores(scores: torch.Tensor, kernel: str) -> None:
@@ -80,9 +83,7 @@ def gumbel_argmax(scores: torch.Tensor, keys: torch.Tensor, vocab_salt: int) -> 
     scores: float32 [rows, vocab] on the CPU, last dim contiguous; keys: int64 [rows] holding
     uint32 values; vocab_salt: the sampler's salt of vocab ids.
     """
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the Gumbel-max kernel is not built (see the warning logged for {SOURCE})")
+    lib = _built("Gumbel-max")
     rows = scores.shape[0]
     _check_scores(scores, "Gumbel-max")
     if keys.dtype != torch.int64 or keys.shape != (rows,) or not keys.is_contiguous():

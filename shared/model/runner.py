@@ -59,10 +59,10 @@ class ModelRunner:
         # hold the LM head's bytes in float32 logits, beyond which the logits outweigh the weight (on the
         # CPU: a GPU's logits stay in its memory anyway). Measured on the tiny model, slices of the
         # vocabulary lost to the whole logits below this width and won above it
-        self.sliced_head = SlicedGreedyHead.for_model(model)
         vocab_row_bytes = 4 * cfg.vocab_size
         self.greedy_chunk_rows = (max(GREEDY_MIN_CHUNK_ROWS, model.lm_head.num_bytes() // vocab_row_bytes)
                                   if model.device.type == "cpu" else sys.maxsize)
+        self.sliced_head = SlicedGreedyHead.for_model(model)
         use_graphs = model.device.type == "cuda"
         # zeros, not empty: attention masks padding slots, and 0 * garbage-NaN would still be NaN.
         # On CUDA one extra block, owned by no request, absorbs the padded rows of graph replays.
