@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from bench.report.model import Comparison, Document, Documents, SummaryRow, Target, num, ratio, table
@@ -31,10 +32,7 @@ def body(docs: Documents) -> list[str]:
 
 def summary(docs: Documents) -> list[SummaryRow]:
     rows = []
-    for name, doc in docs.items():
-        ours, vllm, hf = _run(doc, OURS), _run(doc, VLLM), doc.get("transformers")
-        if ours is None:
-            continue
+    for name, _, ours, vllm, hf in _compared(docs):
         rows += [
             SummaryRow(f"serving, output tok/s ({name})", num(ours["output_throughput"], 2),
                        "-" if vllm is None else num(vllm["output_throughput"], 2),
@@ -49,10 +47,7 @@ def summary(docs: Documents) -> list[SummaryRow]:
 
 def targets(docs: Documents) -> list[Target]:
     found = []
-    for name, doc in docs.items():
-        ours, vllm, hf = _run(doc, OURS), _run(doc, VLLM), doc.get("transformers")
-        if ours is None:
-            continue
+    for name, doc, ours, vllm, hf in _compared(docs):
         tps = ours["output_throughput"]
         if hf is not None:
             found.append(Target(f"output throughput at least {TRANSFORMERS_FACTOR:g}x transformers' static batching",
@@ -63,6 +58,18 @@ def targets(docs: Documents) -> list[Target]:
                                 tps / vllm["output_throughput"], VLLM_FACTOR,
                                 f"{ratio(tps / vllm['output_throughput'])} ({name}, {doc['config']['workload']})"))
     return found
+
+
+Metrics = dict[str, Any]
+
+
+def _compared(docs: Documents) -> Iterator[tuple[str, Document, Metrics, Metrics | None, Metrics | None]]:
+    """Each result with a run of this stack: its name, the document, and this stack's, vLLM's and
+    transformers' metrics (None where that one did not run)."""
+    for name, doc in docs.items():
+        ours = _run(doc, OURS)
+        if ours is not None:
+            yield name, doc, ours, _run(doc, VLLM), doc.get("transformers")
 
 
 def _run(doc: Document, label_start: str) -> dict[str, Any] | None:
