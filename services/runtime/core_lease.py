@@ -91,6 +91,7 @@ class CoreLease:
         self.num_cores = len(self.cpus)
         self.max_threads = max(1, min(max_threads, self.num_cores))
         self.threads = 0  # held now; 0 while idle
+        self.step_cap = self.max_threads  # the most this step takes (services/runtime/step_threads.py)
         self.has_work = False
         self._set_threads = set_threads
         self._torch_threads: int | None = None
@@ -161,12 +162,14 @@ class CoreLease:
         fair = self.fair_share(1 + sum(has_work for _, has_work in peers))
         # a neighbour with work has its fair share set aside even while it waits for it
         free = self.num_cores - sum(max(threads, fair) if has_work else threads for threads, has_work in peers)
-        return min(self.max_threads, max(fair, free)), free, fair
+        return min(self.step_cap, max(fair, free)), free, fair
 
-    def before_step(self) -> int:
-        """Take this step's threads: the fair share at least, more where no one else holds them.
-        Waits while a neighbour runs on more than its fair share and too little is free (it gives
-        the surplus back at its next layer), at most `wait_timeout_s`."""
+    def before_step(self, cap: int | None = None) -> int:
+        """Take this step's threads: the fair share at least, more where no one else holds them, and
+        never more than `cap` (the lease's most where None) until the next step. Waits while a
+        neighbour runs on more than its fair share and too little is free (it gives the surplus back
+        at its next layer), at most `wait_timeout_s`."""
+        self.step_cap = self.max_threads if cap is None else max(1, min(cap, self.max_threads))
         deadline = time.monotonic() + self._wait_timeout_s
         while True:
             with self._guarded():

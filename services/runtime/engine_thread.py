@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.runtime.core_lease import CoreLease
+from services.runtime.step_threads import StepThreads
 from shared.engine.engine import Engine, EngineStats, RequestOutput, resolve_device
 from shared.engine.policy import StepPolicy
 from shared.model.loader import load_model
@@ -47,6 +48,7 @@ class EngineThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._engine: Engine | None = None
         self._lease: CoreLease | None = None
+        self.step_threads: StepThreads | None = None  # with a lease: how many of its cores a step takes
         # (fn, args, future) of call_between_layers
         self._layer_calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = (
             queue.SimpleQueue()
@@ -104,6 +106,7 @@ class EngineThread:
     def _lease_cores(self, directory: str, max_threads: int) -> None:
         try:
             self._lease = CoreLease(directory, max_threads)
+            self.step_threads = StepThreads(self._lease.max_threads)
         except OSError as e:
             logger.warning(
                 "elastic threads off: no core lease in %s (%s); running a fixed %d torch threads. Point "
@@ -223,8 +226,10 @@ class EngineThread:
         self.lent_s += self._clock() - lent_at
 
     def _step(self, then: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
+        threads = None
         if self._lease is not None:
-            self._lease.before_step()
+            assert self.step_threads is not None
+            threads = self._lease.before_step(self.step_threads.choose())
         started, num_steps = self._clock(), self.engine.num_steps
         self._layer = 0
         outputs = self.engine.step()
@@ -232,6 +237,8 @@ class EngineThread:
         if self.engine.num_steps != num_steps:
             self.busy_s += self._stepped_at - started
             self.policy.stepped(self._stepped_at, outputs)
+            if self.step_threads is not None and threads == self.threads_now:  # none given back mid-step
+                self.step_threads.observe(threads, self.engine.last_step_tokens, self._stepped_at - started)
         if then is not None and outputs:
             then(outputs)
         return outputs

@@ -163,6 +163,7 @@ class Engine(KVHandoff):
         self.num_steps = 0
         # the plan whose forward pass runs now: a hook between layers reads what each request computes
         self.step_plan: ScheduledBatch | None = None
+        self.last_step_tokens = 0  # the tokens the last step that computed something computed
 
     @property
     def device(self) -> torch.device:
@@ -276,6 +277,7 @@ class Engine(KVHandoff):
             self.step_plan = None
         sampled = self.scheduler.update(plan, result)
         self.num_steps += 1
+        self.last_step_tokens = plan.num_tokens
         # after the update: each request's context before this step is its count less what it computed
         pairs = sum(attention_pairs(n, req.num_computed_tokens - n)
                     for req, n in zip(plan.reqs, plan.num_new_tokens) if n > 1)

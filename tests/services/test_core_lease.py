@@ -17,6 +17,7 @@ import torch
 
 from services.runtime.core_lease import SLOT, CoreLease, cpu_list_text
 from services.runtime.engine_thread import ENGINE_GIL_SWITCH_INTERVAL_S, EngineThread
+from services.runtime.step_threads import StepThreads
 from shared.engine.sampling_params import SamplingParams
 from shared.settings import WorkerServiceSettings
 from tests.services.test_faults import until
@@ -24,6 +25,13 @@ from tests.services.test_kv_tcp_layers import until as until_awaited
 
 CPUS = {0, 1}
 PATIENT_S = 120.0  # a wait this long means the lease never let go: the test fails on the leftover thread
+
+
+class EveryCore(StepThreads):
+    """Steps on every core the lease gives, whatever they measure: for tests of what the lease gives."""
+
+    def choose(self) -> int:
+        return self.candidates[-1]
 
 
 class Host:
@@ -147,6 +155,19 @@ def test_a_worker_grows_between_layers_into_cores_a_neighbour_lends(host: Host) 
     assert host.set == {"prefill": [1, 2, 1], "decode": [2, 1]}
 
 
+def test_a_step_takes_no_more_threads_than_its_cap(host: Host) -> None:
+    prefill, decode = host.lease("prefill"), host.lease("decode")
+    assert decode.before_step(cap=1) == 1  # alone, but its steps measured faster on one thread
+    decode.rebalance()
+    assert decode.threads == 1 and host.slots()[decode.name] == (1, 1)
+    assert prefill.before_step() == 1  # the fair share, as beside any neighbour with work
+    prefill.after_call(has_work=False)
+    decode.rebalance()  # a core is free, but the cap holds until the next step
+    assert decode.threads == 1
+    decode.after_call(has_work=True)
+    assert decode.before_step() == 2 and host.set["decode"] == [1, 2]
+
+
 def test_more_workers_with_work_than_cores_run_one_thread_each_without_waiting(
     host: Host, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -246,6 +267,8 @@ def test_the_engine_thread_steps_on_its_lease_and_yields_to_a_neighbour(
         assert set(host.slots().values()) == {(0, 0)}  # finished: the engine's core is free again
 
         await thread.call(engine.add_request, "r2", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+        assert thread.step_threads is not None
+        thread.step_threads.observe(1, 1, 1.0)  # steps like the last one measured far faster on both cores
         await thread.step()
         assert (2, 1) in host.slots().values()  # the neighbour is idle: the engine runs on both cores
         await thread.call(engine.abort_request, "r2")
@@ -351,6 +374,7 @@ def test_a_paced_engine_pauses_its_streams_for_a_neighbours_prompt_only_where_th
     async def run() -> None:
         thread = EngineThread(clock=lambda: now[0])
         engine = await thread.load(settings)
+        thread.step_threads = EveryCore(2)
         # gaps of 0.95 s: on time for a 1 s target, and past the paced pause (due at 0.9 s)
         assert thread.pace(max_pause_s=60.0)
         thread.policy.pause_after_s = 0.0  # every prompt counts as long at once: no late gap is kept for one
