@@ -26,8 +26,6 @@ _INT64, _INT32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _SIGNATURES = {
     "gumbel_argmax": [_PTR, _PTR, _INT64, _PTR, _INT64, _INT32, _INT64],
     "argmax_rows": [_PTR, _PTR, _INT64, _INT64, _INT32],  # out, scores, their row stride, rows, vocab
-    # best, best ids, scores, their row stride, rows, columns, the columns' offset in the vocabulary
-    "argmax_fold": [_PTR, _PTR, _PTR, _INT64, _INT64, _INT32, _INT64],
 }
 
 
@@ -45,21 +43,6 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     if lib.argmax_rows(out.data_ptr(), scores.data_ptr(), scores.stride(0), scores.shape[0], scores.shape[1]):
         raise ValueError("a row of scores has no value above -inf (or only NaN)")
     return out
-
-
-def argmax_fold(best: torch.Tensor, best_ids: torch.Tensor, scores: torch.Tensor, offset: int) -> None:
-    """Folds a slice of each row's scores, the vocabulary's columns [offset, offset + columns), into
-    the row's running maximum `best` (float32 [rows]) and its first index `best_ids` (int64 [rows]),
-    in place: over slices taken in order of offset, from -inf and -1, `best_ids` ends as `argmax`
-    over the whole rows would give it (-1 where a row has no value above -inf)."""
-    lib = _built("argmax")
-    _check_scores(scores, "argmax")
-    rows = scores.shape[0]
-    for name, tensor, dtype in (("best", best, torch.float32), ("best_ids", best_ids, torch.int64)):
-        if tensor.dtype != dtype or tensor.shape != (rows,) or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous {dtype} [{rows}], got {tensor.dtype} {list(tensor.shape)}")
-    lib.argmax_fold(best.data_ptr(), best_ids.data_ptr(), scores.data_ptr(), scores.stride(0), rows,
-                    scores.shape[1], offset)
 
 
 def _built(kernel: str) -> ctypes.CDLL:

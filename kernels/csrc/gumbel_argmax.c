@@ -142,20 +142,3 @@ int argmax_rows(int64_t *out, const float *scores, int64_t stride, int64_t rows,
     return failed;
 }
 
-/* Folds columns [offset, offset + cols) of each row into its running first maximum (best[r], best_id[r]):
- * an id moves only to a strictly larger score, so over slices taken in order of offset the ids are
- * argmax_rows' over the whole rows. Start from -inf and -1; an id still -1 after the last slice marks
- * a row with no value above -inf. */
-void argmax_fold(float *best, int64_t *best_id, const float *scores, int64_t stride, int64_t rows, int32_t cols,
-                 int64_t offset) {
-#pragma omp parallel for schedule(static) if (rows >= 2 * ROWS_PER_THREAD_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = scores + r * stride;
-        int64_t i = row_first_max(x, cols);
-        if (i >= 0 && x[i] > best[r]) {
-            best[r] = x[i];
-            best_id[r] = offset + i;
-        }
-    }
-}
-

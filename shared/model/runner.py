@@ -17,7 +17,7 @@ from shared.engine.scheduler import ScheduledBatch, StepResult
 from shared.engine.step_phases import FORWARD, LOGITS, PREPARE, SAMPLE, StepPhases
 from shared.model.config import ModelConfig
 from shared.model.cuda_graphs import DecodeGraphs
-from shared.model.greedy_head import SlicedGreedyHead
+from shared.model.greedy_head import GreedyHead
 from shared.model.huge_pages import huge_zeros
 from shared.model.llama import AttentionMetadata, LlamaModel
 
@@ -57,12 +57,11 @@ class ModelRunner:
         self.sampler = Sampler()
         # a plain greedy batch wider than this never holds its whole logits (`_wide_greedy`): as many rows as
         # hold the LM head's bytes in float32 logits, beyond which the logits outweigh the weight (on the
-        # CPU: a GPU's logits stay in its memory anyway). Measured on the tiny model, slices of the
-        # vocabulary lost to the whole logits below this width and won above it
+        # CPU: a GPU's logits stay in its memory anyway)
         vocab_row_bytes = 4 * cfg.vocab_size
         self.greedy_chunk_rows = (max(GREEDY_MIN_CHUNK_ROWS, model.lm_head.num_bytes() // vocab_row_bytes)
                                   if model.device.type == "cpu" else sys.maxsize)
-        self.sliced_head = SlicedGreedyHead.for_model(model)
+        self.greedy_head = GreedyHead.for_model(model)
         use_graphs = model.device.type == "cuda"
         # zeros, not empty: attention masks padding slots, and 0 * garbage-NaN would still be NaN.
         # On CUDA one extra block, owned by no request, absorbs the padded rows of graph replays.
@@ -125,13 +124,13 @@ class ModelRunner:
         return StepResult(token_ids=out.token_ids, logprobs=out.logprobs, top_logprobs=out.top_logprobs)
 
     def _wide_greedy(self, last_hidden: torch.Tensor) -> list[int]:
-        """Greedy tokens of a batch too wide for its logits to stay in cache: by slices of the vocabulary
-        where the model allows (shared/model/greedy_head.py), else the LM head and the argmax
+        """Greedy tokens of a batch too wide for its logits to stay in cache: without the logits where
+        the model allows (shared/model/greedy_head.py), else the LM head and the argmax
         `greedy_chunk_rows` rows at a time. With a 49k vocabulary 256 rows' logits are 50 MB; a
         2-layer model of hidden size 64 took 49 ms for its LM head and argmax over them on 2 cores,
         31 ms in chunks of 64 rows."""
-        if self.sliced_head is not None:
-            return self.sliced_head.greedy(last_hidden)
+        if self.greedy_head is not None:
+            return self.greedy_head.greedy(last_hidden)
         step = self.greedy_chunk_rows
         return [token for start in range(0, last_hidden.shape[0], step)
                 for token in self.sampler.greedy(self.model.compute_logits(last_hidden[start:start + step]))]

@@ -97,28 +97,3 @@ def test_argmax_refuses_a_row_without_a_maximum_and_the_sampler_falls_back_to_to
     assert torch.equal(sampler._argmax(scores), scores.max(dim=-1).indices)
     with pytest.raises(ValueError, match="float32"):
         kernel.argmax(torch.zeros(2, 8, dtype=torch.bfloat16))
-
-
-def folded(scores: torch.Tensor, width: int) -> torch.Tensor:
-    best, ids = torch.full((scores.shape[0],), -torch.inf), torch.full((scores.shape[0],), -1, dtype=torch.int64)
-    for start in range(0, scores.shape[1], width):
-        kernel.argmax_fold(best, ids, scores[:, start:start + width], start)
-    return ids
-
-
-@pytest.mark.parametrize(("rows", "vocab", "width"), [(1, VOCAB, 2048), (5, 1031, 100), (64, VOCAB, 4096), (3, 17, 5)])
-def test_argmax_folded_by_slices_is_the_whole_rows_argmax(rows: int, vocab: int, width: int) -> None:
-    scores = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
-    scores[0, vocab // 3] = -torch.inf
-    assert torch.equal(folded(scores, width), scores.max(dim=-1).indices)
-
-
-def test_argmax_folded_by_slices_keeps_the_first_of_tied_maxima() -> None:
-    scores = torch.zeros(3, 600)
-    for row, ids in enumerate([(0, 5), (199, 200), (250, 599)]):  # in one slice, across two, and far apart
-        scores[row, list(ids)] = 3.0
-    assert folded(scores, 200).tolist() == [0, 199, 250]
-    scores[1] = -torch.inf  # a row with no maximum stays at -1
-    assert folded(scores, 200).tolist() == [0, -1, 250]
-    with pytest.raises(ValueError, match="best_ids must be contiguous"):
-        kernel.argmax_fold(torch.zeros(3), torch.zeros(3), scores, 0)
