@@ -1,4 +1,4 @@
-"""How many of its leased cores a CPU engine steps on: the fewest that are measurably faster.
+"""How many of its leased cores a CPU engine steps on: the count that measured fastest for steps of that size.
 
 A team of OpenMP threads pays where each parallel region holds enough work and every thread of the
 team gets a core. On a host whose cores the serving processes share, neither holds for a fast
@@ -13,8 +13,11 @@ products of megabytes of weights, and its gateway is almost idle.
 No size rule tells the two apart (the tiny model's 128-row step has more arithmetic per layer than
 the 135M model's one-row step), so the engine measures: each step's seconds per token go into a
 moving average for its thread count and its size (steps of 1, 2-3, 4-7, ... tokens), and the
-next step runs on the count with the lowest. Every `EXPLORE_EVERY`th step of a size tries the count measured longest ago, so the
-choice follows the load as it changes.
+next step runs on the count with the lowest; until the most is measured, on every core the lease
+gives.
+Every `EXPLORE_EVERY`th step of a size tries the count measured longest ago (one never measured
+first), so the choice follows the load as it changes, and a short run (a few requests) keeps the
+lease's cores.
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ class StepThreads:
         """The most threads the next step should run on; its size is taken to be the last step's."""
         size = self._sizes.setdefault(self._next_tokens.bit_length(), _SizeClass())
         size.steps += 1
-        unmeasured = [n for n in self.candidates if n not in size.seconds_per_token]
-        if unmeasured:
-            return unmeasured[0]
-        if size.steps % EXPLORE_EVERY == 0:
-            return min(self.candidates, key=lambda n: size.measured_at[n])
-        return self._best(size)
+        if size.steps % EXPLORE_EVERY == 0:  # a count never measured first, the most threads before fewer
+            return min(reversed(self.candidates), key=lambda n: size.measured_at.get(n, -1))
+        # every core the lease gives, until they are measured: a neighbour's work may have held the
+        # steps measured so far to fewer
+        if self.candidates[-1] not in size.seconds_per_token:
+            return self.candidates[-1]
+        return min(size.seconds_per_token, key=lambda n: (size.seconds_per_token[n], n))
 
     def observe(self, threads: int, tokens: int, seconds: float) -> None:
         """A step of `tokens` tokens took `seconds` on `threads` threads throughout."""
@@ -63,6 +67,3 @@ class StepThreads:
         old = size.seconds_per_token.get(threads)
         size.seconds_per_token[threads] = per_token if old is None else old + ALPHA * (per_token - old)
         size.measured_at[threads] = size.steps
-
-    def _best(self, size: _SizeClass) -> int:
-        return min(self.candidates, key=lambda n: size.seconds_per_token[n])

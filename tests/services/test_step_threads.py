@@ -18,13 +18,17 @@ def test_candidates_are_powers_of_two_and_the_most() -> None:
     assert StepThreads(6).candidates == [1, 2, 4, 6]
 
 
-def test_each_count_is_tried_before_any_is_chosen() -> None:
+def test_steps_take_every_core_until_it_is_measured_and_other_counts_at_exploring_steps() -> None:
     tuner = StepThreads(4)
+    tuner.observe(1, 8, 1e-3 * 8)  # a step the lease held to one thread: the next still takes every core
     tried = []
-    for threads in (1, 2, 4):
-        tried.append(tuner.choose())
-        tuner.observe(threads, 8, 0.001)
-    assert tried == [1, 2, 4]
+    for _ in range(3 * EXPLORE_EVERY):
+        threads = tuner.choose()
+        tried.append(threads)
+        tuner.observe(threads, 8, {1: 1e-3, 2: 2e-3, 4: 3e-3}[threads] * 8)
+    # the first exploring step tries 2, never measured; 1 is fastest all along after the first step
+    assert tried[:2] == [4, 1] and tried[2:EXPLORE_EVERY] == [1] * (EXPLORE_EVERY - 3) + [2]
+    assert tried[EXPLORE_EVERY:2 * EXPLORE_EVERY] == [1] * (EXPLORE_EVERY - 1) + [4]
 
 
 def test_the_faster_count_runs_and_the_others_are_measured_again_every_so_often() -> None:
