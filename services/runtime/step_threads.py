@@ -14,10 +14,9 @@ No size rule tells the two apart (the tiny model's 128-row step has more arithme
 the 135M model's one-row step), so the engine measures: each step's seconds per token go into a
 moving average for its thread count and its size (steps of 1, 2-3, 4-7, ... tokens), and the
 next step runs on the count with the lowest; until the most is measured, on every core the lease
-gives.
-Every `EXPLORE_EVERY`th step of a size tries the count measured longest ago (one never measured
-first), so the choice follows the load as it changes, and a short run (a few requests) keeps the
-lease's cores.
+gives. Every `EXPLORE_EVERY`th step of a size tries the count measured longest ago (one never
+measured first), so the choice follows the load as it changes, and a short run (a few requests)
+keeps the lease's cores.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A batch of plain greedy rows needs only each row's first largest logit. Computed
 batch's logits are tens of MB (256 rows of a 49k vocabulary: 50 MB), written by the LM head and
 read back by the argmax; on a thin head (hidden size 64) storing them takes longer than the
 products. kernels/greedy_head.py keeps each tile of logits in registers and folds it into the rows'
-running maxima at once, over a copy of the head's weight packed for it at load.
+running maxima at once, over a copy of the head's weight packed for it on first use.
 
 On a 2-core Zen 4, hidden size 64 and a 49,152-token vocabulary, 128 rows: 7.3 ms on one thread
 and 3.9 on two, where the vocabulary by slices of 2,048 (an MKL product, then an argmax over each
