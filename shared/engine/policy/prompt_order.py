@@ -17,7 +17,9 @@ any model on a GPU), a step per prompt multiplies that cost: a 2-layer model of 
 prefilled one 128-token prompt a step, and 256 such prompts took 256 steps of about 3 ms each, where
 batches of 4,096 tokens take 8. So on a CPU prompts share a step up to the tokens at which the
 fitted fixed cost (shared/engine/policy/step_cost.py) is at most an eighth of the step, and never
-fewer than CPU_BATCH_TOKENS.
+fewer than CPU_BATCH_TOKENS. Steps all of one size tell the fit nothing: a prefill worker fed such
+prompts one at a time stayed at one a step, 256 steps for 256 prompts with 15 of them waiting. So
+where the recent steps all had one size, the next may take twice that, and the fit then decides.
 
 A prompt that has waited MAX_PROMPT_WAIT_S goes ahead of shorter ones, in arrival order, so that long
 prompts are not starved while short ones keep coming.
@@ -85,9 +87,14 @@ class ShortestFirst:
 
     def batch_tokens_now(self) -> int:
         """`batch_tokens`, raised where the recent steps' fixed cost would otherwise weigh more than an
-        eighth of a step."""
-        cost = None if self.step_times is None else self.step_times.cost()
-        if cost is None:
+        eighth of a step, or to twice the size of every recent step where they all had one size."""
+        if self.step_times is None:
             return self.batch_tokens
-        amortizing = AMORTIZING_TOKENS_PER_FIXED_COST * cost.fixed_s / cost.per_token_s
-        return int(min(max(self.batch_tokens, amortizing), max(self.max_batch_tokens, self.batch_tokens)))
+        cost = self.step_times.cost()
+        if cost is not None:
+            return self._within_budget(AMORTIZING_TOKENS_PER_FIXED_COST * cost.fixed_s / cost.per_token_s)
+        only_size = self.step_times.only_size()
+        return self.batch_tokens if only_size is None else self._within_budget(2 * only_size)
+
+    def _within_budget(self, tokens: float) -> int:
+        return int(min(max(self.batch_tokens, tokens), max(self.max_batch_tokens, self.batch_tokens)))

@@ -95,6 +95,12 @@ class StepTimes:
         fit = self._fit()
         return None if fit is None else fit[0]
 
+    def only_size(self) -> int | None:
+        """The token count of every recent step where they all had one (so no fit can tell a step's
+        fixed cost from its tokens'), else None."""
+        sizes = {tokens for tokens, _, _ in self._steps}
+        return int(sizes.pop()) if len(sizes) == 1 else None
+
     def overrun_s(self) -> float:
         """How far past its fitted time a step runs at the OVERRUN_QUANTILE of the recent steps (0
         until a cost is fitted, and never below 0)."""

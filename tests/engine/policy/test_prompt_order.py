@@ -121,6 +121,28 @@ def test_on_a_cpu_prompts_share_a_step_until_its_fixed_cost_is_an_eighth_of_it(
     assert order.step_prompt_tokens(first_share=4000) == 4000
 
 
+def test_steps_all_of_one_size_let_the_next_take_twice_that_so_the_fit_can_start() -> None:
+    """A prefill worker fed 16-token prompts one at a time: while every step it timed took one
+    prompt, the fixed cost cannot be told from the tokens', so the next step takes two; once the
+    steps differ, the fit decides (here a large fixed cost: the whole budget)."""
+    times = StepTimes()
+    kv = KVCacheManager(64, BLOCK_SIZE, enable_prefix_caching=False)
+    order = ShortestFirst(8, step_times=times, max_batch_tokens=64)
+    sched = Scheduler(SchedulerConfig(64, 8, prompt_order=order), kv)
+    assert order.batch_tokens_now() == 8  # nothing timed yet
+    for name in "ab":
+        sched.add(make_req(name, 16, max_tokens=1, first_token=ord(name) * 100))
+        assert plan(run_step(sched)) == [(name, 16)]
+        times.observe(16, 0.0, 0.003)
+    assert times.cost() is None and times.only_size() == 16 and order.batch_tokens_now() == 32
+    for name in "cdef":
+        sched.add(make_req(name, 16, max_tokens=1, first_token=ord(name) * 100))
+    assert plan(run_step(sched)) == [("c", 16), ("d", 16)]
+    times.observe(32, 0.0, 0.0031)
+    assert times.only_size() is None and order.batch_tokens_now() == 64
+    assert plan(run_step(sched)) == [("e", 16), ("f", 16)]
+
+
 def test_bad_values_are_named() -> None:
     with pytest.raises(ValueError, match="batch_tokens must be at least 1, got 0"):
         ShortestFirst(0, 1.0)
