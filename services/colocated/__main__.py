@@ -1,6 +1,10 @@
 """`python -m services.colocated`: one colocated worker, configured from LLMD_* environment variables."""
 
-from services.colocated.worker import ColocatedWorker
-from services.runtime.worker import main
+from services.runtime.omp_wait import spin_briefly
+
+spin_briefly()  # before torch loads: see the module
+
+from services.colocated.worker import ColocatedWorker  # noqa: E402
+from services.runtime.worker import main  # noqa: E402
 
 main(ColocatedWorker)

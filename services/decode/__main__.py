@@ -1,6 +1,10 @@
 """`python -m services.decode`: one decode worker, configured from LLMD_* environment variables."""
 
-from services.decode.worker import DecodeWorker
-from services.runtime.worker import main
+from services.runtime.omp_wait import spin_briefly
+
+spin_briefly()  # before torch loads: see the module
+
+from services.decode.worker import DecodeWorker  # noqa: E402
+from services.runtime.worker import main  # noqa: E402
 
 main(DecodeWorker)
