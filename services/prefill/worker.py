@@ -157,15 +157,26 @@ class PrefillWorker(Handoffs, Worker):
         if refused is not None:
             await self._finish_early(tracked, *refused)
             return
-        rejected = await add_to_engine(self, msg, self.stop_after_prefill)
+        # tracked before the engine has it: the engine thread may prefill it before this coroutine
+        # resumes, and it exports the handoff of what it finds here right after that step
+        self._tracked[msg.req_id] = tracked
+        try:
+            rejected = await add_to_engine(self, msg, self.stop_after_prefill)
+        except BaseException:
+            self._untrack(tracked)
+            raise
         if rejected is not None:
+            self._untrack(tracked)
             await self._finish_early(tracked, "abort", rejected)
             return
-        self._tracked[msg.req_id] = tracked
         logger.debug("admitted %s (%d prompt tokens, attempt %d)", msg.req_id, tracked.num_prefill_tokens, msg.attempt)
         self.wake_engine()
         if self._streams_while_prefilling(tracked):
             tracked.handoff = self.spawn(self._hand_off(tracked))
+
+    def _untrack(self, t: Tracked) -> None:
+        if self._tracked.get(t.req_id) is t:
+            del self._tracked[t.req_id]
 
     def _streams_while_prefilling(self, t: Tracked) -> bool:
         """Whether `t`'s handoff starts now, to stream its KV layer by layer as the prefill runs."""
@@ -286,8 +297,7 @@ class PrefillWorker(Handoffs, Worker):
             with contextlib.suppress(KeyError):  # already aborted
                 await self.engine.call(self.engine.engine.release, t.req_id)
         await self.ack(t.stream, PREFILL_GROUP, t.entry_id)
-        if self._tracked.get(t.req_id) is t:
-            del self._tracked[t.req_id]
+        self._untrack(t)
         self.capacity_changed.set()
 
     async def _fail(self, t: Tracked, error: str) -> None:

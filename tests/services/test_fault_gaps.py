@@ -47,9 +47,11 @@ pytestmark = pytest.mark.timeout(60)
 class FakeEngine:
     """What EngineThread and the prefill worker touch; `add_request` crashes when `crash` is set."""
 
-    def __init__(self, crash: bool = False, admit_delay_s: float = 0.0) -> None:
+    def __init__(self, crash: bool = False, admit_delay_s: float = 0.0,
+                 on_add: Callable[[str], None] = lambda req_id: None) -> None:
         self.crash = crash
         self.admit_delay_s = admit_delay_s
+        self.on_add = on_add  # runs on the engine thread as it takes a request
         self.num_steps = 0
         self.num_waiting = 0
         self.policy = StepPolicy(None, "cpu", max_num_batched_tokens=2048)  # no targets: decides nothing
@@ -61,6 +63,7 @@ class FakeEngine:
         time.sleep(self.admit_delay_s)  # the engine thread is busy, as behind a long prefill step
         if self.crash:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.on_add(args[0] if args else "")
         self.num_waiting += 1
 
     def step(self) -> list[RequestOutput]:
@@ -143,6 +146,34 @@ async def test_a_request_that_crashes_the_engine_call_is_dead_lettered_and_the_g
     await w.bus.close()
 
 
+async def test_a_request_is_tracked_before_the_engine_takes_it(
+    bus: Bus, namespace: str, spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+) -> None:
+    """The engine thread may prefill a request in the step right after taking it, before the
+    admission resumes on the event loop, and exports its handoff only where the worker tracks it;
+    a request the engine rejects is tracked no more."""
+    w = PrefillWorker(worker_settings(namespace, "prefill-tracked"))
+    tracked_when_added: dict[str, bool] = {}
+
+    def on_add(req_id: str) -> None:
+        tracked_when_added[req_id] = req_id in w._tracked
+        if req_id == "invalid":
+            raise ValueError("a prompt the engine refuses")
+
+    await with_engine(w, FakeEngine(on_add=on_add))
+    await w.setup()
+    spawn(w.consume(bus.keys.requests, PREFILL_GROUP, w._on_request, w._intake_capacity, w.stopping))
+    for req_id in ("early", "invalid"):
+        await bus.send(bus.keys.requests, GenerateRequest(
+            req_id, "gw-tracked", [1, 2, 3], SamplingParams(max_tokens=4).to_dict(), seed=7))  # fmt: skip
+    await eventually(lambda: bus.redis.xlen(bus.keys.replies("gw-tracked")), timeout_s=30)  # the rejection
+    assert tracked_when_added == {"early": True, "invalid": True}
+    assert set(w._tracked) == {"early"}
+    w.stopping.set()
+    w.engine.shutdown()
+    await w.bus.close()
+
+
 async def test_entries_waiting_behind_a_slow_engine_are_not_reclaimed_by_their_own_worker(
     bus: Bus, namespace: str, spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
     caplog: pytest.LogCaptureFixture,
@@ -159,9 +190,8 @@ async def test_entries_waiting_behind_a_slow_engine_are_not_reclaimed_by_their_o
             f"slow-{i}", "gw-slow", [1, 2, 3], SamplingParams(max_tokens=4).to_dict(), seed=7))  # fmt: skip
     spawn(w.consume(bus.keys.requests, PREFILL_GROUP, w._on_request, w._intake_capacity, w.stopping))
     spawn(w._reclaim_loop())
-    await eventually(lambda: _async(len(w._tracked) == 3), timeout_s=30)
+    await eventually(lambda: _async(len(w._tracked) == 3 and engine.num_waiting == 3), timeout_s=30)
 
-    assert engine.num_waiting == 3
     pending = await bus.redis.xpending_range(bus.keys.requests, PREFILL_GROUP, min="-", max="+", count=10)
     # delivered once each: the reclaim loop took none back (with max_deliveries 1 it would have
     # dead-lettered them, healthy as they are)
