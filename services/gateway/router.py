@@ -21,6 +21,7 @@ shared requests stream, whose first free reader takes the request, and no decode
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,7 @@ class Router:
         self._on_route = on_route
         self._statuses: dict[str, list[WorkerStatus]] = {}
         self._read_at = -STATUS_MAX_AGE_S  # monotonic
+        self._refreshing = asyncio.Lock()
         self._routed: dict[str, list[tuple[float, int]]] = {}  # worker -> (unix time, prompt tokens) sent to it
 
     async def route(self, token_ids: Sequence[int]) -> Route:
@@ -144,6 +146,13 @@ class Router:
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < STATUS_MAX_AGE_S:
             return
+        # one read for the routes that find the statuses old while it is on its way: a burst of
+        # requests would otherwise each read every worker's status (a sixth of the gateway's time)
+        async with self._refreshing:
+            if time.monotonic() - self._read_at >= STATUS_MAX_AGE_S:
+                await self._read_statuses()
+
+    async def _read_statuses(self) -> None:
         self._statuses = {stage: await self.bus.live_workers(stage) for stage in ("prefill", "decode")}
         self._read_at = time.monotonic()
         now = time.time()

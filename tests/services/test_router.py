@@ -3,6 +3,7 @@ caching most of a prompt gets it, unless load or a draining state says otherwise
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -110,3 +111,19 @@ async def test_an_index_that_forgets_every_worker_while_heartbeats_are_read_rout
     bus.live_workers = workers_gone_meanwhile  # type: ignore[method-assign]
     route = await router.route(PROMPT)
     assert (route.prefill, route.decode) == (Choice("prefill", None, 0), Choice("decode", None, 0))
+
+
+async def test_routes_that_find_the_statuses_old_together_share_one_read(bus: Bus) -> None:
+    index = await two_by_two(bus)
+    router = Router(bus, index, PREFILL_ROUTING)
+    live_workers = bus.live_workers
+    reads: list[str] = []
+
+    async def counted(stage: str) -> list[WorkerStatus]:
+        reads.append(stage)
+        return await live_workers(stage)
+
+    bus.live_workers = counted  # type: ignore[method-assign]
+    routes = await asyncio.gather(*(router.route(PROMPT) for _ in range(20)))
+    assert reads == ["prefill", "decode"]  # one read of each stage for the burst
+    assert {(r.prefill.worker_id, r.decode.worker_id) for r in routes} == {("p0", "d1")}
