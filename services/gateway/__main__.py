@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.app import create_app
+from shared import event_loop
 from shared.model.paths import ModelNotFoundError
 from shared.settings import GatewayServiceSettings, warn_unknown_settings
 
@@ -40,7 +41,7 @@ def main() -> None:
     try:
         web.run_app(
             create_app(settings), **where, handler_cancellation=True, access_log=None,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=announce,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=announce, loop=event_loop.new_event_loop(),
         )  # fmt: skip
     except ModelNotFoundError as e:
         logger.error("%s", e)

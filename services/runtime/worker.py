@@ -33,6 +33,7 @@ from services.runtime.health import create_health_app
 from services.runtime.heartbeat import Heartbeats, wait_for
 from services.runtime.kv_events import KVEventPublisher, KVEventSource
 from services.runtime.malloc_tuning import keep_freed_memory
+from shared import event_loop
 from shared.engine.engine import Engine, RequestOutput
 from shared.metrics import WorkerMetrics
 from shared.model.paths import ModelNotFoundError, resolve_model_path
@@ -411,7 +412,7 @@ def main(worker_cls: type[Worker]) -> None:
     keep_freed_memory()
     try:
         pin_to_cpus(settings.worker.cpus)
-        asyncio.run(worker.run())
+        event_loop.run(worker.run())
     except (ModelNotFoundError, CpuPinError) as e:
         logger.error("%s", e)
         sys.exit(1)
