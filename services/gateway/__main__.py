@@ -11,6 +11,7 @@ from aiohttp import web
 
 from services.gateway.app import create_app
 from shared import event_loop
+from shared.gc_tuning import freeze_startup_heap
 from shared.model.paths import ModelNotFoundError
 from shared.settings import GatewayServiceSettings, warn_unknown_settings
 
@@ -38,14 +39,21 @@ def main() -> None:
     def announce(_: str) -> None:
         logger.info("listening on http://%s:%d", host, port)
 
+    app = create_app(settings)
+    # after the app's own start-up (its resources come first), and only in the gateway's process
+    app.on_startup.append(_freeze_startup_heap)
     try:
         web.run_app(
-            create_app(settings), **where, handler_cancellation=True, access_log=None,
+            app, **where, handler_cancellation=True, access_log=None,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S, print=announce, loop=event_loop.new_event_loop(),
         )  # fmt: skip
     except ModelNotFoundError as e:
         logger.error("%s", e)
         sys.exit(1)
+
+
+async def _freeze_startup_heap(_: web.Application) -> None:
+    freeze_startup_heap()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from services.runtime.kv_events import KVEventPublisher, KVEventSource
 from services.runtime.malloc_tuning import keep_freed_memory
 from shared import event_loop
 from shared.engine.engine import Engine, RequestOutput
+from shared.gc_tuning import freeze_startup_heap
 from shared.metrics import WorkerMetrics
 from shared.model.paths import ModelNotFoundError, resolve_model_path
 from shared.outage_log import OutageLog
@@ -136,17 +137,18 @@ class Worker(Heartbeats):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    async def run(self, handle_signals: bool = True) -> None:
+    async def run(self, owns_process: bool = True) -> None:
         """Serve until told to stop. A first SIGTERM/SIGINT drains (no new work, finish what is
-        held), a second one stops at once."""
+        held), a second one stops at once. `owns_process`: this is the process's one worker, which
+        handles its signals and, once serving, freezes its start-up heap (shared/gc_tuning.py)."""
         try:
-            await self.start(handle_signals)
+            await self.start(owns_process)
             await self._drain_when_asked()
         finally:
             await self.close()
 
-    async def start(self, handle_signals: bool = True) -> None:
-        if handle_signals:
+    async def start(self, owns_process: bool = True) -> None:
+        if owns_process:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
@@ -178,6 +180,8 @@ class Worker(Heartbeats):
         if self.kv_publisher is not None:
             self._tasks.append(self._spawn_forever(self._kv_events_loop(self.kv_publisher)))
         self._tasks += [self._spawn_forever(coro) for coro in self.serve_tasks()]
+        if owns_process:
+            freeze_startup_heap()
         self.serving = True
         logger.info("serving: inbox %s, redis %s namespace %s", self.inbox, self.settings.redis.url,
                     self.settings.redis.namespace)

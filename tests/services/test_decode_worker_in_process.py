@@ -43,7 +43,7 @@ async def test_a_burst_of_offers_is_answered_within_a_step_or_two_not_one_step_e
 
     worker._answer = answer_and_note_the_step  # type: ignore[method-assign]
     try:
-        await worker.start(handle_signals=False)
+        await worker.start(owns_process=False)
         engine = worker.engine.engine
         busy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
         await worker.engine.call(engine.add_request, "busy", prompt(64, 9), busy)
@@ -86,7 +86,7 @@ async def test_a_drain_ends_once_redis_has_been_gone_longer_than_the_heartbeat_t
     )
     worker = DecodeWorker(settings)
     try:
-        await worker.start(handle_signals=False)
+        await worker.start(owns_process=False)
         busy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
         await worker.engine.call(worker.engine.engine.add_request, "held", prompt(64, 3), busy)
         worker.wake_engine()
@@ -115,7 +115,7 @@ async def test_a_stop_while_starting_without_redis_ends_the_worker(
         worker=WorkerSettings(worker_id="decode-orphan", health_port=0),
     )
     worker = DecodeWorker(settings)
-    run = asyncio.create_task(worker.run(handle_signals=False))
+    run = asyncio.create_task(worker.run(owns_process=False))
 
     async def waiting_for_redis() -> bool:
         return any("creating consumer groups: Redis unavailable" in r.message for r in caplog.records)
