@@ -68,6 +68,7 @@ class GatewayMetrics:
             "llmd_worker_tokens", "Output tokens received, by the worker that produced them.",
             ["model_name", "worker_id"], registry=self.registry,
         )
+        self._worker_tokens: dict[str, Counter] = {}  # worker id -> its child of worker_tokens
         self.routed_requests = Counter(
             "llmd_routed_requests", "Requests routed, by stage (prefill, decode), by what decided (overlap: the "
             "worker caching most of the prompt; load: the shared stream, or no decode hint; local: prefilled on the "
@@ -121,7 +122,11 @@ class GatewayMetrics:
         self.worker_cached_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_cached_tokens)
 
     def tokens_from(self, worker_id: str, num_tokens: int) -> None:
-        self.worker_tokens.labels(model_name=self._model_name, worker_id=worker_id).inc(num_tokens)
+        counter = self._worker_tokens.get(worker_id)
+        if counter is None:  # once per worker: `labels` costs microseconds, and this runs for every update
+            counter = self._worker_tokens[worker_id] = self.worker_tokens.labels(
+                model_name=self._model_name, worker_id=worker_id)
+        counter.inc(num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -278,6 +278,9 @@ def test_token_ids_outside_vocabulary_are_rejected() -> None:
         "prompt",
         "token id 49152 in 'prompt' is outside the vocabulary (size 49152)",
     )
+    with pytest.raises(ApiError, match="token id 49160 in 'prompt'"):  # the first one out, not the largest
+        check_token_ids([5, 49160, 60000], vocab_size=49152, param="prompt")
+    check_token_ids([], vocab_size=49152, param="prompt")
 
 
 def test_context_length_exceeded() -> None:
