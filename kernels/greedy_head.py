@@ -18,10 +18,10 @@ import torch
 from kernels.cpu_build import CSRC, load_functions, profiled
 
 SOURCE = CSRC / "greedy_head.c"
-LANES = 16  # vocabulary rows per packed panel
 ROWS = 8  # hidden rows per tile: the kernel takes a multiple of it
 _INT64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
+    "greedy_head_lanes": [],  # vocabulary rows per packed panel: one vector register's floats
     "greedy_head_pack": [_PTR, _PTR, _INT64, _INT64],  # packed, weight, vocab, hidden
     "greedy_head_argmax": [_PTR, _PTR, _INT64, _INT64, _PTR, _INT64],  # out, x, rows, hidden, packed, vocab
 }
@@ -46,7 +46,8 @@ class PackedHead:
         lib = _built()
         self.vocab, self.hidden = weight.shape
         weight = weight.contiguous()
-        self._packed = torch.empty(-(-self.vocab // LANES) * self.hidden * LANES)
+        lanes = lib.greedy_head_lanes()
+        self._packed = torch.empty(-(-self.vocab // lanes) * self.hidden * lanes)
         lib.greedy_head_pack(self._packed.data_ptr(), weight.data_ptr(), self.vocab, self.hidden)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
