@@ -45,6 +45,8 @@ def _resources(tokenizer: Tokenizer | None) -> Resources:
         model_tokenizer = tokenizer or await asyncio.to_thread(
             Tokenizer.from_path, str(model.path), settings.model.disk_cache
         )
+        # the streams' detokenisers read this table; built on the event loop it would stall the first one
+        await asyncio.to_thread(model_tokenizer.byte_pieces)
         gw = build_gateway(settings, model, model_tokenizer)
         app[GATEWAY] = gw
         gw.reader = asyncio.create_task(gw.router.run(), name="replies-reader")
