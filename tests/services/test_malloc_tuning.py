@@ -46,10 +46,10 @@ def test_a_warm_prefill_takes_no_fresh_pages_for_its_activations() -> None:
     plain_tuned, plain = prefill_faults("plain")
     assert tuned and not plain_tuned
     # warm (after the first prefill): glibc's own thresholds hand activations back and fault them in
-    # again, about 7,600 pages over three prefills (seen); kept, none on an idle machine, 580 seen
-    # beside a busy test suite (faults that are not the activations')
+    # again, 7,000-38,000 pages over three prefills (seen; fewer once its dynamic mmap threshold has
+    # grown); kept, none on an idle Zen 4, 1,000-2,700 on a Zen 3 (faults that are not the activations')
     assert sum(plain[1:]) > 1000
-    assert sum(faults[1:]) * 5 < sum(plain[1:])
+    assert sum(faults[1:]) * 2 < sum(plain[1:])
 
 
 def test_the_operators_malloc_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
