@@ -32,12 +32,13 @@ class _BytePieces:
 
     def __init__(self, pieces: list[bytes]) -> None:
         self._pieces = pieces
+        self._num_pieces = len(pieces)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def add(self, token_ids: list[int]) -> str:
-        pieces = self._pieces
+        pieces, num_pieces = self._pieces, self._num_pieces
         # decoding skips ids past the vocabulary (a model's padded rows), as the tokenizer does
-        data = b"".join([pieces[i] if i < len(pieces) else b"" for i in token_ids])
+        data = b"".join([pieces[i] if i < num_pieces else b"" for i in token_ids])
         return self._utf8.decode(data)
 
     def flush(self) -> str:
