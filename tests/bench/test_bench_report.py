@@ -166,3 +166,11 @@ def test_the_overhead_targets_come_from_its_table(tmp_path: Path) -> None:
     rows = targets_rows(render(write_results(tmp_path, ["overhead"])))
     # the fixture's stack keeps 3,783 of its engine's 8,267 tok/s; it has no vLLM rows to compare with
     assert rows == {"tiny model: the stack keeps at least 85% of its engine's throughput": "no"}
+
+
+def test_the_overhead_share_target_says_the_most_these_cores_allow(tmp_path: Path) -> None:
+    page = render(write_results(tmp_path, ["overhead"]))
+    # 2 cores over 237 + 70 + 113 + 10 + 60 = 490 µs per token: 4,082 tok/s, 49% of the engine's 8,267
+    assert ("| 46%; at most 49% on these 2 cores: the engine alone's 237 CPU µs per token, plus the 193 of the "
+            "processes beside the decode worker (prefill-0 70, gateway 113, redis-server 10) and the client's 60 |"
+            in page)

@@ -55,12 +55,28 @@ def targets(docs: Documents) -> list[Target]:
     if engine is not None and stack is not None:
         value = stack["output_tok_s"] / engine["output_tok_s"]
         found.append(Target(f"tiny model: the stack keeps at least {STACK_SHARE:.0%} of its engine's throughput", value,
-                            STACK_SHARE, f"{value:.0%}"))
+                            STACK_SHARE, f"{value:.0%}{_ceiling(docs, engine, stack)}"))
     if stack is not None and vllm_server is not None:
         value = stack["output_tok_s"] / vllm_server["output_tok_s"]
         found.append(Target(f"tiny model: the stack at least {SERVER_FACTOR:g}x vLLM's server", value, SERVER_FACTOR,
                             f"{ratio(value)} ({num(stack['output_tok_s'], 0)} vs {num(vllm_server['output_tok_s'], 0)} tok/s)"))
     return found
+
+
+def _ceiling(docs: Documents, engine: dict[str, Any], stack: dict[str, Any]) -> str:
+    """The most the stack could keep on this machine's cores: with a decode worker no costlier than
+    the engine alone, the other processes' and the client's CPU per token still share the cores."""
+    cores = next((doc["machine"].get("cores") for doc in docs.values() if isinstance(doc.get("machine"), dict)), None)
+    beside = {name.removeprefix("cpu_us_per_token."): us for name, us in stack.items()
+              if name.startswith("cpu_us_per_token.") and not name.startswith("cpu_us_per_token.decode")}
+    client = stack.get("client_cpu_us_per_token") or 0.0
+    if not cores or not beside:
+        return ""
+    per_token = engine["cpu_us_per_token"] + sum(beside.values()) + client
+    best = cores * 1e6 / per_token / engine["output_tok_s"]
+    return (f"; at most {best:.0%} on these {cores} cores: the engine alone's {num(engine['cpu_us_per_token'], 0)} "
+            f"CPU µs per token, plus the {num(sum(beside.values()), 0)} of the processes beside the decode worker "
+            f"({', '.join(f'{name} {num(us, 0)}' for name, us in beside.items())}) and the client's {num(client, 0)}")
 
 
 COMPARISON = Comparison(
