@@ -2,10 +2,12 @@
 vLLM's engine alone (a script in vLLM's interpreter), and a served run against this stack or vLLM's
 server, each with the CPU time of every process it involves and the phase counters they keep.
 
-    this_engine(model, dtype, requests, warmups) -> Run
-    vllm_engine(python, model, dtype, kv_gib, requests, warmups) -> Run
-    this_stack(model, dtype, loads, warmups) -> list[Run]      # one run per concurrency cap in `loads`
+    this_engine(model, dtype, request_sets, warmups) -> list[Run]          # one run per set of requests
+    vllm_engine(python, model, dtype, kv_gib, request_sets, warmups) -> list[Run]
+    this_stack(model, dtype, loads, warmups) -> list[Run]                  # one run per load in `loads`
     vllm_serve(python, model, dtype, kv_gib, loads, warmups) -> list[Run]
+
+Each builds its engine or server once and runs the sets or loads one after another on it.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from shared.engine.sampling_params import SamplingParams
 VLLM_SCRIPT = Path(vllm_offline.__file__)
 LOG_TAIL_LINES = 20
 ERROR_LINES = 10
-# the client's cap on requests in flight (None: all at once) -> the requests a served run sends
-Loads = Mapping[int | None, list[BenchRequest]]
+# each served run in order: the client's cap on requests in flight (None: all at once), the requests it sends
+Loads = list[tuple[int | None, list[BenchRequest]]]
 
 
 @dataclass(slots=True)
@@ -63,29 +65,35 @@ class Run:
         return {name: seconds * 1e6 / max(self.output_tokens, 1) for name, seconds in self.cpu_s.items()}
 
 
-def this_engine(model: str, dtype: str, requests: list[BenchRequest], warmups: list[BenchRequest]) -> Run:
-    """`LLM.generate` on every request at once, detokenising as it goes; the CPU time is this
-    process's, every thread (torch's included)."""
+def this_engine(
+    model: str, dtype: str, request_sets: list[list[BenchRequest]], warmups: list[BenchRequest]
+) -> list[Run]:
+    """`LLM.generate` on every request of a set at once, detokenising as it goes, one set after
+    another; the CPU time is this process's, every thread (torch's included)."""
     llm = LLM(model, dtype=dtype)
     llm.generate(*_offline_inputs(warmups))
-    before_phases, before_cpu = engine_phases(llm.engine), _own_cpu_s()
-    started = time.perf_counter()
-    outputs = llm.generate(*_offline_inputs(requests))
-    seconds = time.perf_counter() - started
-    cpu = {"engine (this process)": _own_cpu_s() - before_cpu}
-    spent = engine_phases(llm.engine) - before_phases
-    phases = {"engine": spent} if spent.seconds else {}
-    return Run("this engine alone", None, seconds, sum(len(o.token_ids) for o in outputs), 0, cpu, phases=phases)
+    runs = []
+    for requests in request_sets:
+        before_phases, before_cpu = engine_phases(llm.engine), _own_cpu_s()
+        started = time.perf_counter()
+        outputs = llm.generate(*_offline_inputs(requests))
+        seconds = time.perf_counter() - started
+        cpu = {"engine (this process)": _own_cpu_s() - before_cpu}
+        spent = engine_phases(llm.engine) - before_phases
+        phases = {"engine": spent} if spent.seconds else {}
+        output_tokens = sum(len(o.token_ids) for o in outputs)
+        runs.append(Run("this engine alone", None, seconds, output_tokens, 0, cpu, phases=phases))
+    return runs
 
 
 def vllm_engine(
-    python: Path, model: str, dtype: str, kv_gib: float, requests: list[BenchRequest], warmups: list[BenchRequest]
-) -> Run:
-    """`vllm.LLM.generate` in vLLM's interpreter (bench/vllm_offline.py); the CPU time is its
-    process tree's (vLLM runs its engine core in a child process)."""
+    python: Path, model: str, dtype: str, kv_gib: float, request_sets: list[list[BenchRequest]],
+    warmups: list[BenchRequest],
+) -> list[Run]:
+    """`vllm.LLM.generate` in vLLM's interpreter (bench/vllm_offline.py) on each set in turn; the CPU
+    time is its process tree's (vLLM runs its engine core in a child process)."""
     workload = {"model": str(hf_checkpoint(model)), "dtype": dtype,
-                "prompts": [_ids(r) for r in requests], "max_tokens": [r.max_tokens for r in requests],
-                "warmups": [_ids(r) for r in warmups]}  # fmt: skip
+                "runs": [_batch(requests) for requests in request_sets], "warmups": _batch(warmups)}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
         json.dump(workload, spec)
         spec.flush()
@@ -97,14 +105,17 @@ def vllm_engine(
             log: list[str] = []
             _read_marked(process, process.stdout, log)
             root = {"vLLM engine (process tree)": process.pid}
-            before = sample_trees(root)
-            process.stdin.write("go\n")
-            process.stdin.flush()
-            result = json.loads(_read_marked(process, process.stdout, log))
-            cpu = cpu_delta(before, sample_trees(root))
+            runs = []
+            for _ in request_sets:
+                before = sample_trees(root)
+                process.stdin.write("go\n")
+                process.stdin.flush()
+                result = json.loads(_read_marked(process, process.stdout, log))
+                cpu = cpu_delta(before, sample_trees(root))
+                runs.append(Run("vLLM engine alone", None, result["seconds"], result["output_tokens"], 0, cpu))
             process.stdin.close()
             process.wait()
-    return Run("vLLM engine alone", None, result["seconds"], result["output_tokens"], 0, cpu)
+    return runs
 
 
 def this_stack(model: str, dtype: str, loads: Loads, warmups: list[BenchRequest]) -> list[Run]:
@@ -118,7 +129,7 @@ def this_stack(model: str, dtype: str, loads: Loads, warmups: list[BenchRequest]
                 **worker_metrics_by_id(stack, "decode")}  # fmt: skip
         warm_up(stack.base_url, warmups)
         return [_served("this stack", stack.base_url, stack.process_ids(), urls, requests, cap)
-                for cap, requests in loads.items()]
+                for cap, requests in loads]
 
 
 def vllm_serve(
@@ -128,7 +139,7 @@ def vllm_serve(
         warm_up(server.base_url, warmups)
         roots = {"vLLM server (process tree)": server.process.pid}
         urls = {"vLLM server": f"{server.base_url}/metrics"}
-        return [_served("vLLM server", server.base_url, roots, urls, requests, cap) for cap, requests in loads.items()]
+        return [_served("vLLM server", server.base_url, roots, urls, requests, cap) for cap, requests in loads]
 
 
 def _served(
@@ -163,6 +174,11 @@ def _read_marked(process: subprocess.Popen[str], stdout: IO[str], log: list[str]
 def _offline_inputs(requests: list[BenchRequest]) -> tuple[list[list[int]], list[SamplingParams]]:
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     return [_ids(r) for r in requests], params
+
+
+def _batch(requests: list[BenchRequest]) -> dict[str, list]:
+    """Requests as bench/vllm_offline.py reads them."""
+    return {"prompts": [_ids(r) for r in requests], "max_tokens": [r.max_tokens for r in requests]}
 
 
 def _ids(request: BenchRequest) -> list[int]:

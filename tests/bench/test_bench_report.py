@@ -35,7 +35,7 @@ def test_every_comparison_gets_a_section_with_its_command_and_plot(tmp_path: Pat
         assert f"\n## {comparison.title}\n" in page
     assert "python -m bench.handoff_redis" in page and "python -m bench.engine" in page
     assert "disaggregated vs colocated: interference](results/interference.png)" in page
-    assert "| this stack | 3783 | 0.46x |" in page  # overhead's table, as the benchmark prints it
+    assert "| this stack | 3783 | - | 0.46x |" in page  # overhead's table (a result without runs' ranges)
     assert "Test CPU, 2 cores (avx2), 8 GiB, no GPU; PyTorch 2.13.0, where `dtype=auto` runs float32." in page
     assert page.count("\n") <= MAX_LINES
 
@@ -166,6 +166,20 @@ def test_the_overhead_targets_come_from_its_table(tmp_path: Path) -> None:
     rows = targets_rows(render(write_results(tmp_path, ["overhead"])))
     # the fixture's stack keeps 3,783 of its engine's 8,267 tok/s; it has no vLLM rows to compare with
     assert rows == {"tiny model: the stack keeps at least 85% of its engine's throughput": "no"}
+
+
+def test_the_overhead_targets_against_vllm_give_the_runs_ranges(tmp_path: Path) -> None:
+    rows = [{"row": name, "output_tok_s": median, "output_tok_s_range": span, "share_of_own_engine": None,
+             "vs_vllm": None, "cpu_us_per_token": 100.0, "cpu_vs_vllm": None, "client_cpu_us_per_token": None}
+            for name, median, span in (("this engine alone", 9000.0, [8500.0, 9400.0]),
+                                       ("vLLM engine alone", 3000.0, [2900.0, 3100.0]),
+                                       ("this stack", 3600.0, [3400.0, 3900.0]),
+                                       ("vLLM server", 3000.0, [2500.0, 3050.0]))]  # fmt: skip
+    document = {"table": rows, "sweep": [], "phases": [], "machine": MACHINE, "command": "python -m bench.overhead"}
+    (tmp_path / "overhead.json").write_text(json.dumps(document))
+    page = render(tmp_path)
+    assert "| 3.00x (9,000 vs 3,000 tok/s; runs 8,500-9,400 vs 2,900-3,100) | yes |" in page
+    assert "| 1.20x (3,600 vs 3,000 tok/s; runs 3,400-3,900 vs 2,500-3,050) | yes |" in page
 
 
 def test_the_overhead_share_target_says_the_most_these_cores_allow(tmp_path: Path) -> None:

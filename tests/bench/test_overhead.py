@@ -9,6 +9,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -121,23 +122,31 @@ def test_an_engine_object_gives_its_counters() -> None:
     assert engine_phases(kept) == PhaseCounters({"schedule": 0.5}, 2.0)  # type: ignore[arg-type]
 
 
-def test_the_engine_alone_run_counts_every_token_and_its_cpu_time(model: str) -> None:
+def test_the_engine_alone_runs_count_every_token_and_their_cpu_time(model: str) -> None:
     requests = build_workload(WorkloadSpec("random", 8, input_len=8, output_len=8), vocab_ids(model), 0)
-    run = overhead_runs.this_engine(model, "float32", requests, warmup_requests(requests, vocab_ids(model), 0, 1))
-    assert (run.system, run.concurrency, run.output_tokens, run.failed) == ("this engine alone", None, 64, 0)
-    assert run.cpu_s["engine (this process)"] > 0 and run.seconds > 0
-    # the engine's phase counters where it keeps them, and then every step of the run
-    for spent in run.phases.values():
-        assert set(spent.seconds) == set(PHASES)
-        assert spent.steps is not None and spent.steps >= 8
+    shorter = build_workload(WorkloadSpec("random", 4, input_len=8, output_len=5), vocab_ids(model), 1)
+    runs = overhead_runs.this_engine(model, "float32", [requests, shorter],
+                                     warmup_requests(requests, vocab_ids(model), 0, 1))
+    assert [(run.system, run.concurrency, run.output_tokens, run.failed) for run in runs] == [
+        ("this engine alone", None, 64, 0), ("this engine alone", None, 20, 0)]
+    for run, max_tokens in zip(runs, (8, 5), strict=True):
+        assert run.cpu_s["engine (this process)"] > 0 and run.seconds > 0
+        # the engine's phase counters where it keeps them, and then every step of that run and no other
+        for spent in run.phases.values():
+            assert set(spent.seconds) == set(PHASES)
+            assert spent.steps is not None and max_tokens <= spent.steps <= 2 * max_tokens
+
+
+def stack_run(seconds: float, gateway_cpu_s: float = 0.25, concurrency: int | None = None) -> Run:
+    return Run("this stack", concurrency, seconds, 1000, 0, {"gateway": gateway_cpu_s, "decode-0": 0.75},
+               client_cpu_s=0.1, phases={"decode-0": PhaseCounters({"forward": 0.5}, 100.0)})
 
 
 def test_the_tables_compare_each_row_with_its_counterparts() -> None:
     runs = {
-        "this engine alone": Run("this engine alone", None, 1.0, 1000, 0, {"engine (this process)": 0.5}),
-        "vLLM engine alone": Run("vLLM engine alone", None, 1.0, 2000, 0, {"vLLM engine (process tree)": 0.5}),
-        "this stack": Run("this stack", None, 2.0, 1000, 0, {"gateway": 0.25, "decode-0": 0.75}, client_cpu_s=0.1,
-                          phases={"decode-0": PhaseCounters({"forward": 0.5}, 100.0)}),
+        "this engine alone": [Run("this engine alone", None, 1.0, 1000, 0, {"engine (this process)": 0.5})],
+        "vLLM engine alone": [Run("vLLM engine alone", None, 1.0, 2000, 0, {"vLLM engine (process tree)": 0.5})],
+        "this stack": [stack_run(2.0)],
     }
     stack = overhead.main_table(runs)[2]
     assert stack["output_tok_s"] == 500.0 and stack["share_of_own_engine"] == 0.5 and stack["vs_vllm"] is None
@@ -145,11 +154,44 @@ def test_the_tables_compare_each_row_with_its_counterparts() -> None:
     assert stack["client_cpu_us_per_token"] == pytest.approx(100.0)
     engine = overhead.main_table(runs)[0]
     assert engine["vs_vllm"] == 0.5 and engine["cpu_vs_vllm"] == 2.0
-    sweep = overhead.sweep_table(list(runs.values()), num_prompts=8)
+    sweep = overhead.sweep_table([run for group in runs.values() for run in group], num_prompts=8)
     assert [(row["row"], row["concurrency"]) for row in sweep] == [("this stack", 8)]
     printed = overhead.render(overhead.main_table(runs), sweep, [])
-    assert "| this stack | 500 | 0.50x | - | 1000 | - | gateway 250, decode-0 750 | 100 |" in printed
+    assert "| this stack | 500 | 500-500 | 0.50x | - | 1000 | - | gateway 250, decode-0 750 | 100 |" in printed
     assert printed.endswith("no phase counters")
+
+
+def test_each_row_shows_its_run_of_median_throughput_and_the_runs_range() -> None:
+    # three bursts of 1,000 tokens in 2.0, 4.0 and 2.5 s: the median is the 2.5 s run, CPU and all
+    bursts = [stack_run(2.0, 0.1), stack_run(4.0, 0.9), stack_run(2.5, 0.4)]
+    capped = [stack_run(1.0, concurrency=16), stack_run(0.5, concurrency=16)]
+    row = overhead.main_table({"this stack": bursts})[0]
+    assert row["output_tok_s"] == 400.0 and row["output_tok_s_range"] == [250.0, 500.0]
+    assert row["cpu_us_per_token.gateway"] == pytest.approx(400.0)
+    sweep = overhead.sweep_table(capped + bursts, num_prompts=64)
+    assert [(r["concurrency"], r["output_tok_s"], r["output_tok_s_range"]) for r in sweep] == [
+        (16, 1000.0, [1000.0, 2000.0]), (64, 400.0, [250.0, 500.0])]  # of two, the slower middle one
+    printed = overhead.render(overhead.main_table({"this stack": bursts}), sweep, [])
+    assert "| this stack | 16 | 1000 | 1000-2000 | 1000 | 100 | 0 |" in printed
+
+
+def test_the_rounds_repeat_the_burst_then_each_cap_with_fresh_prompts_of_the_same_lengths() -> None:
+    vocab = np.arange(1000)
+    requests = build_workload(WorkloadSpec("random", 8, input_len=8, output_len=4), vocab, 0)
+    args = overhead.build_parser().parse_args(["--num-prompts", "8", "--concurrency", "2,4,8", "--repeats", "2"])
+    loads = overhead.rounds(requests, vocab, args)
+    assert [cap for cap, _ in loads] == [None, 2, 4, None, 2, 4]  # a cap of every prompt is the burst
+    assert loads[0][1] is requests
+    prompts = [tuple(map(tuple, (r.prompt for r in load))) for _, load in loads]
+    assert len(set(prompts)) == len(loads)
+    lengths = [(r.num_prompt_tokens, r.max_tokens) for r in requests]
+    assert all([(r.num_prompt_tokens, r.max_tokens) for r in load] == lengths for _, load in loads)
+
+
+def test_repeats_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        overhead.main(["--repeats", "0"])
+    assert "--repeats is the runs of each row, at least 1, got 0" in capsys.readouterr().err
 
 
 def test_bad_concurrency_caps_are_named() -> None:

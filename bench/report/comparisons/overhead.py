@@ -51,7 +51,8 @@ def targets(docs: Documents) -> list[Target]:
     if engine is not None and vllm_engine is not None:
         value = engine["output_tok_s"] / vllm_engine["output_tok_s"]
         found.append(Target("tiny model: this engine alone at least level with vLLM's engine alone", value, 1.0,
-                            f"{ratio(value)} ({num(engine['output_tok_s'], 0)} vs {num(vllm_engine['output_tok_s'], 0)} tok/s)"))
+                            f"{ratio(value)} ({num(engine['output_tok_s'], 0)} vs {num(vllm_engine['output_tok_s'], 0)} tok/s"
+                            f"{_ranges(engine, vllm_engine)})"))
     if engine is not None and stack is not None:
         value = stack["output_tok_s"] / engine["output_tok_s"]
         found.append(Target(f"tiny model: the stack keeps at least {STACK_SHARE:.0%} of its engine's throughput", value,
@@ -59,8 +60,17 @@ def targets(docs: Documents) -> list[Target]:
     if stack is not None and vllm_server is not None:
         value = stack["output_tok_s"] / vllm_server["output_tok_s"]
         found.append(Target(f"tiny model: the stack at least {SERVER_FACTOR:g}x vLLM's server", value, SERVER_FACTOR,
-                            f"{ratio(value)} ({num(stack['output_tok_s'], 0)} vs {num(vllm_server['output_tok_s'], 0)} tok/s)"))
+                            f"{ratio(value)} ({num(stack['output_tok_s'], 0)} vs {num(vllm_server['output_tok_s'], 0)} tok/s"
+                            f"{_ranges(stack, vllm_server)})"))
     return found
+
+
+def _ranges(*rows: dict[str, Any]) -> str:
+    """'; runs 4,861-5,652 vs 3,585-4,906' where the rows kept their runs' range of throughput."""
+    spans = [row.get("output_tok_s_range") for row in rows]
+    if not all(spans):
+        return ""
+    return "; runs " + " vs ".join(f"{num(low, 0)}-{num(high, 0)}" for low, high in spans)
 
 
 def _ceiling(docs: Documents, engine: dict[str, Any], stack: dict[str, Any]) -> str:
