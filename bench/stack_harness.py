@@ -26,6 +26,8 @@ load it through the gateway, read the workers' Prometheus counters, and store th
         the same URLs keyed by worker id, which is the worker's name in `stack.process_ids()`
     scrape_workers(stack, role) -> dict[str, float]
         every live worker of `role` scraped into one dict (their series differ in `worker_id`)
+    median_item(items, key) -> item
+        the item of median `key` (of an even count, the lower middle one): one run's figures stay together
     write_result(name, document) -> Path, write_figure(name, figure) -> Path
         bench/results/<name>.json (stamped with the machine) and .png, from bench/result_files.py
     format_table(header, rows) -> str
@@ -47,7 +49,8 @@ import asyncio
 import functools
 import urllib.request
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import aiohttp
 import numpy as np
@@ -65,6 +68,8 @@ from shared.model.paths import resolve_model_path
 from shared.protocol import WorkerStatus
 from shared.settings import RedisSettings
 from shared.streams import Bus
+
+T = TypeVar("T")
 
 REQUEST_TIMEOUT_S = 600.0  # long prompts queue behind each other on a CPU-only machine
 SCRAPE_TIMEOUT_S = 30.0
@@ -161,6 +166,10 @@ async def _live_workers(stack: Stack, role: str) -> list[WorkerStatus]:
         return await bus.live_workers(role)
     finally:
         await bus.close()
+
+
+def median_item(items: Sequence[T], key: Callable[[T], float]) -> T:
+    return sorted(items, key=key)[(len(items) - 1) // 2]
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

@@ -60,6 +60,11 @@ def build_workload(spec: WorkloadSpec, vocab_ids: np.ndarray, seed: int) -> list
     return _GENERATORS[spec.name](spec, vocab_ids, rng)
 
 
+# a seed's random streams 0-2 are a workload's prompts, arrivals and warm-ups; repeated runs of the
+# same lengths draw fresh tokens from [seed, FRESH_TOKENS_STREAM, ...]
+FRESH_TOKENS_STREAM = 3
+
+
 def warmup_requests(requests: list[BenchRequest], vocab_ids: np.ndarray, seed: int, num: int) -> list[BenchRequest]:
     """Requests shaped like the first `num` of a workload but with fresh tokens, so they warm
     the server up (compilation, allocation) without filling its prefix cache for the run."""

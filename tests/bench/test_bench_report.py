@@ -49,6 +49,8 @@ def test_the_load_each_result_was_written_under_is_shown(tmp_path: Path) -> None
 def test_the_summary_sets_this_stack_beside_vllm_and_transformers(tmp_path: Path) -> None:
     page = render(write_results(tmp_path))
     assert "| serving, output tok/s (side_by_side) | 150.00 | 140.00 | 22.00 |" in page
+    # the side by side's runs' range, where a result kept its runs
+    assert "| this stack (1P+1D) | 150.00 | 146.00-155.50 | 20.0 |" in page and "| vLLM CPU 0.32.0 | 140.00 | - |" in page
     assert "| engine alone, output tok/s (engine) | 50.0 | - | 10.0 |" in page
 
 
@@ -166,6 +168,15 @@ def test_the_overhead_targets_come_from_its_table(tmp_path: Path) -> None:
     rows = targets_rows(render(write_results(tmp_path, ["overhead"])))
     # the fixture's stack keeps 3,783 of its engine's 8,267 tok/s; it has no vLLM rows to compare with
     assert rows == {"tiny model: the stack keeps at least 85% of its engine's throughput": "no"}
+
+
+def test_the_side_by_side_target_against_vllm_gives_both_runs_ranges(tmp_path: Path) -> None:
+    write_results(tmp_path, ["side_by_side"])
+    document = json.loads((tmp_path / "side_by_side.json").read_text())
+    document["runs"]["vLLM CPU 0.32.0"]["output_throughput_runs"] = [120.0, 140.0, 141.0]
+    (tmp_path / "side_by_side.json").write_text(json.dumps(document))
+    assert ("| 1.07x (side_by_side, random; runs 146.00-155.50 vs 120.00-141.00 tok/s) | yes |"
+            in render(tmp_path))
 
 
 def test_the_overhead_targets_against_vllm_give_the_runs_ranges(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ requests through the gateway, counters from the workers' /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from bench import handoff, prefix_cache, result_files, servers, side_by_side, stack_harness
+from bench.serving.runner import LoadSpec
 from bench.serving.workload import BenchRequest
+from tests.bench.conftest import StartStub
+from tests.bench.stub_server import StubScript
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -82,6 +86,20 @@ def test_side_by_side_baseline_runs_transformers_on_the_same_prompts(capsys: pyt
     ratio = 5.0 / baseline["output_throughput"]
     assert "transformers generate (torch.float32), static batches of 2" in printed
     assert f"this stack (1P+1D) / transformers: {ratio:.2f}x" in printed
+
+
+async def test_side_by_side_keeps_each_servers_run_of_median_throughput(start_stub: StartStub) -> None:
+    stub, base_url = await start_stub(StubScript())
+    runs = [[BenchRequest([5, 6], 2, 4)] * n for n in (2, 3, 4)]
+    warmup = BenchRequest([7], 1, 1)
+
+    document = await asyncio.to_thread(side_by_side._measure, "stub", base_url, runs, [warmup], LoadSpec(), "random")
+
+    # the warm-up goes before the first run only, and every run's requests reach the server
+    assert [p["max_tokens"] for p in stub.payloads] == [1] + [4] * (2 + 3 + 4)
+    throughputs = document["output_throughput_runs"]
+    assert len(throughputs) == 3 and document["metrics"]["output_throughput"] == sorted(throughputs)[1]
+    assert document["config"]["num_prompts"] in (2, 3, 4) and document["metrics"]["num_failed"] == 0
 
 
 def test_vllm_runs_on_every_core_with_its_preloads(tmp_path: Path) -> None:

@@ -19,14 +19,15 @@ def body(docs: Documents) -> list[str]:
         c = doc["config"]
         rate = "all at once" if c["request_rate"] == float("inf") else f"at {c['request_rate']:g}/s"
         lines += [f"Workload `{c['workload']}`, {c['num_prompts']} prompts {rate}, `ignore_eos`.", ""]
-        rows = [[label, num(m["output_throughput"], 2), _s(m["ttft_ms"], "mean"),
-                 f"{_ms(m['itl_ms'], 'p50')} / {_ms(m['itl_ms'], 'p99')}"]
-                for label, m in ((label, run["metrics"]) for label, run in doc["runs"].items())]
+        rows = [[label, num(run["metrics"]["output_throughput"], 2), _spread(run), _s(run["metrics"]["ttft_ms"], "mean"),
+                 f"{_ms(run['metrics']['itl_ms'], 'p50')} / {_ms(run['metrics']['itl_ms'], 'p99')}"]
+                for label, run in doc["runs"].items()]
         hf = doc.get("transformers")
         if hf is not None:
             rows.append([f"transformers `generate`, static batches of {hf['batch_size']}",
-                         num(hf["output_throughput"], 2), "", ""])
-        lines += table(["server", "output tok/s", "TTFT mean (s)", "ITL p50 / p99 (ms)"], rows)
+                         num(hf["output_throughput"], 2), "", "", ""])
+        lines += table(["server", "output tok/s", "runs' range", "TTFT mean (s)", "ITL p50 / p99 (ms)"], rows)
+        lines += ["", "Each server's figures are those of its run of median output throughput."]
     return lines
 
 
@@ -54,9 +55,11 @@ def targets(docs: Documents) -> list[Target]:
                                 tps / hf["output_throughput"], TRANSFORMERS_FACTOR,
                                 f"{ratio(tps / hf['output_throughput'])} ({name}, {doc['config']['workload']})"))
         if vllm is not None:
+            ranges = [_spread(_run(doc, start) or {}) for start in (OURS, VLLM)]
+            spans = "" if "-" in ranges else f"; runs {ranges[0]} vs {ranges[1]} tok/s"
             found.append(Target("output throughput at or above vLLM's CPU build on the same workload",
                                 tps / vllm["output_throughput"], VLLM_FACTOR,
-                                f"{ratio(tps / vllm['output_throughput'])} ({name}, {doc['config']['workload']})"))
+                                f"{ratio(tps / vllm['output_throughput'])} ({name}, {doc['config']['workload']}{spans})"))
     return found
 
 
@@ -69,12 +72,19 @@ def _compared(docs: Documents) -> Iterator[tuple[str, Document, Metrics, Metrics
     for name, doc in docs.items():
         ours = _run(doc, OURS)
         if ours is not None:
-            yield name, doc, ours, _run(doc, VLLM), doc.get("transformers")
+            vllm = _run(doc, VLLM)
+            yield name, doc, ours["metrics"], None if vllm is None else vllm["metrics"], doc.get("transformers")
 
 
 def _run(doc: Document, label_start: str) -> dict[str, Any] | None:
-    """The metrics of the run whose label starts with `label_start`, e.g. "vLLM CPU 0.32.0"."""
-    return next((run["metrics"] for label, run in doc["runs"].items() if label.startswith(label_start)), None)
+    """The run whose label starts with `label_start`, e.g. "vLLM CPU 0.32.0"."""
+    return next((run for label, run in doc["runs"].items() if label.startswith(label_start)), None)
+
+
+def _spread(run: dict[str, Any]) -> str:
+    """The range of a server's runs' output throughput; "-" in results that kept one run."""
+    runs = run.get("output_throughput_runs")
+    return "-" if not runs else f"{num(min(runs), 2)}-{num(max(runs), 2)}"
 
 
 def _s(dist: dict[str, Any] | None, key: str) -> str:
