@@ -15,8 +15,8 @@ after the servers stop (the baseline of issue 5's throughput target).
 Each gets the same seeded random-token prompts with `ignore_eos`, one server at a time, so they
 never share the cores, --repeats times (the runs after the first with fresh tokens of the same
 lengths, which no prefix cache holds): a server's figures are those of its run of median output
-throughput, beside the range of its runs', as one run of a burst may be several percent off the next
-on a shared machine. Prints one Markdown table of the `vllm bench serve` metrics, writes
+throughput, beside the range of all its runs, as one run of a burst may be several percent off the
+next on a shared machine. Prints one Markdown table of the `vllm bench serve` metrics, writes
 bench/results/side_by_side.json.
 """
 
