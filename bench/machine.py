@@ -2,8 +2,9 @@
 
     describe_machine() -> dict
         cpu, cores, the ISA flags that decide the kernels (AVX2, AVX-512, native bf16, AMX), memory,
-        GPU, torch version, what `dtype=auto` runs here, the UTC date, the code's commit, and the
-        1-minute load average as the result is written (above the core count, other work shared the cores)
+        GPU, torch version, what `dtype=auto` runs here, the UTC date, the code's commit as the
+        benchmark started (CODE_AT_START), and the 1-minute load average as the result is written
+        (above the core count, other work shared the cores)
     machine_identity(machine) -> tuple
         the fields that name the hardware (not the date, commit or software): two results with
         equal identities come from the same kind of machine and may share one page
@@ -43,7 +44,7 @@ def describe_machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "auto_dtype": str(resolve_dtype("auto", torch.device("cuda" if gpu else "cpu"))).removeprefix("torch."),
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
-        "commit": _commit(),
+        "commit": CODE_AT_START,
         "load_1m": round(os.getloadavg()[0], 1),
     }
 
@@ -80,3 +81,8 @@ def _commit() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit + ("-dirty" if dirty else "")
+
+
+# read as the benchmark imports this module, at its start: a commit or an edit made while a long run
+# goes on is not the code that ran
+CODE_AT_START = _commit()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import machine
 from bench.machine import describe_machine, machine_identity
 from bench.report.__main__ import MAX_LINES, main
 from bench.report.comparisons import COMPARISONS, claimed
@@ -114,6 +115,12 @@ def test_a_machine_is_its_hardware_not_when_or_what_ran_on_it() -> None:
     later = MACHINE | {"date": "2027-01-01", "commit": "def5678", "torch": "2.14.0", "load_1m": 3.0}
     assert machine_identity(later) == machine_identity(MACHINE)
     assert machine_identity(MACHINE | {"isa": ["avx2", "amx_bf16"]}) != machine_identity(MACHINE)
+
+
+def test_a_result_names_the_code_as_its_benchmark_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a commit made while a long run goes on (the side by side takes 11 minutes) is not what ran
+    monkeypatch.setattr(machine, "_commit", lambda: "c0ffee1")
+    assert describe_machine()["commit"] == machine.CODE_AT_START != "c0ffee1"
 
 
 def test_a_result_without_a_machine_is_refused(tmp_path: Path) -> None:
