@@ -19,9 +19,9 @@ def body(docs: Documents) -> list[str]:
         c = doc["config"]
         rate = "all at once" if c["request_rate"] == float("inf") else f"at {c['request_rate']:g}/s"
         lines += [f"Workload `{c['workload']}`, {c['num_prompts']} prompts {rate}, `ignore_eos`.", ""]
-        rows = [[label, num(run["metrics"]["output_throughput"], 2), _spread(run), _s(run["metrics"]["ttft_ms"], "mean"),
-                 f"{_ms(run['metrics']['itl_ms'], 'p50')} / {_ms(run['metrics']['itl_ms'], 'p99')}"]
-                for label, run in doc["runs"].items()]
+        rows = [[label, num(m["output_throughput"], 2), _spread(run), _s(m["ttft_ms"], "mean"),
+                 f"{_ms(m['itl_ms'], 'p50')} / {_ms(m['itl_ms'], 'p99')}"]
+                for label, run, m in ((label, run, run["metrics"]) for label, run in doc["runs"].items())]
         hf = doc.get("transformers")
         if hf is not None:
             rows.append([f"transformers `generate`, static batches of {hf['batch_size']}",
